@@ -1,0 +1,102 @@
+"""The ops interface every backend implements; models are written once against it.
+
+Arrays are the backend's own (numpy on the CPU backend, cupy on CUDA). Shapes use T = tokens in
+the step, B = sequences, H = hidden size. Weights keep the HF layout ([out, in] for linears)
+unless the model's `prepare` step fuses them (e.g. gate|up stacked into one [2I, H] matrix).
+All reductions (norms, softmax, attention, GDN state) accumulate in fp32 whatever the storage
+dtype. The CPU backend (metrale.backends.cpu) is the executable spec; the CUDA backend is tested
+op by op against it.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from metrale.forward import ForwardBatch
+
+Array = Any
+
+
+class Ops(Protocol):
+    name: str          # "cpu" | "cuda"
+    dtype: Any         # storage / activation dtype (np.float32 on cpu, bfloat16 on cuda)
+
+    # -- data movement -------------------------------------------------------------------------
+    def asarray(self, x, dtype=None) -> Array:
+        """Host numpy array -> backend array (weights are converted to `self.dtype` unless
+        `dtype` says otherwise)."""
+
+    def to_numpy(self, x: Array):
+        """Backend array -> host numpy array (a sync point on GPU)."""
+
+    def empty(self, shape, dtype=None) -> Array: ...
+
+    def zeros(self, shape, dtype=None) -> Array: ...
+
+    def upload_batch(self, batch: ForwardBatch) -> ForwardBatch:
+        """The same batch with its index arrays on the device."""
+
+    # -- elementwise / norms -------------------------------------------------------------------
+    def embedding(self, ids: Array, table: Array) -> Array:
+        """table[ids]: [T] int32, [V, H] -> [T, H]."""
+
+    def rms_norm(self, x: Array, w: Array, eps: float, offset: float) -> Array:
+        """x * rsqrt(mean(x^2) + eps) * (offset + w) over the last dim. offset = 1.0 is the
+        zero-centred RMSNorm of Qwen3.5, 0.0 the plain one (Llama, Qwen3)."""
+
+    def add_rms_norm(self, x: Array, residual: Array, w: Array, eps: float, offset: float):
+        """r = x + residual; returns (rms_norm(r), r). `residual` may be None (first layer):
+        then r = x."""
+
+    def silu_mul(self, x: Array) -> Array:
+        """[T, 2I] laid out as [gate | up] -> silu(gate) * up, [T, I]."""
+
+    def sigmoid_mul(self, x: Array, gate: Array) -> Array:
+        """x * sigmoid(gate), same shapes."""
+
+    # -- matrices ------------------------------------------------------------------------------
+    def linear(self, x: Array, w: Array, bias: Array | None = None) -> Array:
+        """x @ w.T (+ bias): [T, in] x [out, in] -> [T, out], fp32 accumulation."""
+
+    # -- attention -----------------------------------------------------------------------------
+    def head_rms_norm(self, x: Array, w: Array, eps: float, offset: float) -> Array:
+        """RMSNorm of each head vector: x [T, heads, D], w [D]."""
+
+    def rope(self, q: Array, k: Array, positions: Array, inv_freq: Array, rotary_dim: int):
+        """Rotary embedding (rotate-half / NeoX layout) on the first `rotary_dim` dims of every
+        head, in place or returned as (q, k): q [T, Hq, D], k [T, Hk, D], inv_freq
+        [rotary_dim // 2] fp32 (already scaled by whatever rope scaling the model uses)."""
+
+    def write_kv(self, k: Array, v: Array, k_cache: Array, v_cache: Array, batch: ForwardBatch):
+        """k_cache.reshape(-1, Hk, D)[batch.slot_mapping] = k (same for v)."""
+
+    def attention(self, q: Array, k_cache: Array, v_cache: Array, batch: ForwardBatch,
+                  scale: float) -> Array:
+        """Causal GQA attention of each new token over its sequence's paged KV (the context
+        plus the new tokens, already written with write_kv): q [T, Hq, D] -> [T, Hq, D]."""
+
+    # -- Gated DeltaNet ------------------------------------------------------------------------
+    def causal_conv1d(self, x: Array, weight: Array, conv_state: Array,
+                      batch: ForwardBatch) -> Array:
+        """Depthwise causal conv (kernel K) + SiLU over each sequence's new tokens, continuing
+        from conv_state[state_slots[i]] (the last K-1 inputs; zeros when the sequence starts
+        fresh), which is updated in place. x [T, C], weight [C, K] -> [T, C]."""
+
+    def gdn_gates(self, a: Array, b: Array, A_log: Array, dt_bias: Array):
+        """g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b); all fp32 [T, Hv]."""
+
+    def gated_delta_rule(self, q: Array, k: Array, v: Array, g: Array, beta: Array,
+                         ssm_state: Array, batch: ForwardBatch) -> Array:
+        """The gated delta rule per sequence, continuing from ssm_state[state_slots[i]]
+        (zeros when the sequence starts fresh), updated in place. q, k [T, Hk, Dk] are
+        L2-normalised inside (eps 1e-6) and q scaled by Dk^-0.5; k heads are repeated to the
+        Hv value heads (head h uses k head h // (Hv // Hk)). v [T, Hv, Dv] -> o [T, Hv, Dv].
+        Multi-token runs use the chunked (WY) form, single tokens the recurrent form."""
+
+    def gated_rms_norm(self, x: Array, z: Array, w: Array, eps: float) -> Array:
+        """rms_norm(x) * w * silu(z) over the last dim (w not zero-centred)."""
+
+    # -- mixture of experts --------------------------------------------------------------------
+    def moe(self, x: Array, router_w: Array, gate_up: Array, down: Array, top_k: int,
+            renormalize: bool) -> Array:
+        """softmax router over experts, top-k (renormalised), sum of weighted expert MLPs:
+        router_w [E, H], gate_up [E, 2I, H] ([gate | up]), down [E, H, I]; x [T, H] -> [T, H]."""
