@@ -1,0 +1,62 @@
+"""Typed, validated configuration: the one home of defaults.
+
+`EngineConfig` is what the engine core needs (batching limits, cache sizes, device); the serve
+layer (`ServeConfig`) adds network and process settings on top. Defaults follow the operator
+reference in shared/seeds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+class ConfigError(ValueError):
+    """A setting out of range: the message names the flag and what is accepted."""
+
+
+@dataclass
+class EngineConfig:
+    device: str = "auto"                  # auto | cpu | cuda
+    dtype: str = "auto"                   # auto (fp32 on cpu, bf16 on cuda) | float32 | bfloat16
+    max_seq_len: int = 32768
+    max_batch_size: int = 8               # sequences per decode step
+    max_num_seqs: int = 128               # queued + running
+    max_prefill_tokens: int = 8192        # new tokens per step (chunked prefill budget)
+    block_size: int = 16                  # tokens per KV block
+    num_kv_blocks: int = 0                # 0 = size from memory
+    kv_cache_memory_mb: int = 0           # cpu backend: 0 = enough for max_batch_size x max_seq_len, capped
+    gpu_memory_utilization: float = 0.90
+    oom_guard_mb: int = 4096
+    enable_prefix_caching: bool = False
+    ssm_cache_slots: int = 16
+    ssm_checkpoint_interval: int = 256    # tokens between GDN state snapshots
+    scheduler: str = "fifo"               # fifo | slai
+    tbt_deadline_ms: float = 100.0
+    request_timeout: float = 300.0        # seconds, 0 disables
+    swap_space_gb: float = 3.0
+    default_min_p: float = 0.0
+    default_top_n_sigma: float = 0.0
+    profile: bool = False
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def validate(self) -> "EngineConfig":
+        positive = ("max_seq_len", "max_batch_size", "max_num_seqs", "max_prefill_tokens",
+                    "block_size", "ssm_cache_slots", "ssm_checkpoint_interval")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.scheduler not in ("fifo", "slai"):
+            raise ConfigError(f"--scheduler must be fifo or slai, got {self.scheduler!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError("--gpu-memory-utilization must be in (0, 1]")
+        if self.request_timeout < 0:
+            raise ConfigError("--request-timeout must be >= 0 (0 disables)")
+        if self.max_batch_size > self.max_num_seqs:
+            self.max_num_seqs = self.max_batch_size
+        return self
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
