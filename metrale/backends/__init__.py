@@ -1,0 +1,29 @@
+"""Backends behind one ops interface (base.Ops): `cpu` (numpy + numba, the reference) and
+`cuda` (cupy RawKernels + cuBLAS)."""
+from __future__ import annotations
+
+
+def cuda_available() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def make_ops(config):
+    """The ops for `config.device` (auto picks cuda when a GPU is present)."""
+    device = config.device
+    if device == "auto":
+        device = "cuda" if cuda_available() else "cpu"
+    if device == "cuda":
+        if not cuda_available():
+            raise RuntimeError("--device cuda: no CUDA GPU is visible (or cupy is not installed: "
+                               "pip install -e '.[cuda]')")
+        from metrale.backends.cuda import CudaOps
+
+        return CudaOps(dtype=config.dtype, profile=config.profile)
+    from metrale.backends.cpu import CpuOps
+
+    return CpuOps()

@@ -1,0 +1,138 @@
+"""EngineCore: one model on one device, stepping all admitted requests together.
+
+    out     = scheduler.schedule()              # what to run (CPU only)
+    sampled = runner.execute(out)               # the forward pass + sampling
+    done    = scheduler.update_from_output(...)  # commit tokens, stop checks, free
+
+The serving engine process (metrale.engine) and the offline API (metrale.llm) both drive it;
+neither touches the scheduler or the runner directly.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from metrale.backends import make_ops
+from metrale.cache.kv import ModelCaches
+from metrale.config import EngineConfig
+from metrale.models.checkpoint import Checkpoint
+from metrale.models.registry import build_model
+from metrale.request import Request
+from metrale.runner import ModelRunner, SampledToken
+from metrale.scheduler import Scheduler
+
+log = logging.getLogger("metrale.core")
+
+_CPU_KV_BUDGET_MB = 1024  # default KV pool on the CPU backend when no size is given
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (a delta, not the whole text)."""
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[SampledToken] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class StepStats:
+    num_seqs: int
+    num_tokens: int
+    seconds: float
+
+
+class EngineCore:
+    def __init__(self, ckpt: Checkpoint, config: EngineConfig | None = None):
+        self.config = (config or EngineConfig()).validate()
+        self.ops = make_ops(self.config)
+        self.model = build_model(ckpt, self.ops)
+        spec = self.model.cache_spec()
+        self.hybrid = spec.has_state
+        num_blocks = self._num_kv_blocks(spec)
+        num_slots = Scheduler.num_state_slots(self.config) if self.hybrid else 1
+        self.caches = ModelCaches(spec, self.ops, num_blocks=num_blocks,
+                                  block_size=self.config.block_size, num_state_slots=num_slots)
+        self.scheduler = Scheduler(self.config, num_kv_blocks=num_blocks,
+                                   num_state_slots=num_slots, hybrid=self.hybrid)
+        self.runner = ModelRunner(self.model, self.ops, self.caches, self.config.block_size,
+                                  seed=self.config.seed)
+        self.eos_token_ids: frozenset[int] = frozenset()
+        self.last_step: StepStats | None = None
+        log.info("engine ready: %s on %s, %d KV blocks x %d tokens, %d state slots",
+                 ckpt.model_type, self.ops.name, num_blocks, self.config.block_size, num_slots)
+
+    def _num_kv_blocks(self, spec) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks:
+            return cfg.num_kv_blocks
+        per_block = max(1, spec.kv_bytes_per_block(cfg.block_size, self.ops.dtype))
+        wanted = cfg.max_batch_size * -(-cfg.max_seq_len // cfg.block_size)
+        if self.ops.name == "cpu":
+            budget = (cfg.kv_cache_memory_mb or _CPU_KV_BUDGET_MB) * 2**20
+        else:
+            budget = self.ops.free_memory_bytes(cfg.gpu_memory_utilization, cfg.oom_guard_mb)
+        return max(2, min(wanted, budget // per_block)) if spec.has_kv else 2
+
+    # -- requests ---------------------------------------------------------------------------
+    def can_admit(self) -> bool:
+        return self.scheduler.can_admit()
+
+    def add_request(self, req: Request) -> None:
+        """Queue a request; raises ValueError when it can never run (too long, bad params)."""
+        if not req.eos_token_ids and self.eos_token_ids:
+            req.eos_token_ids = self.eos_token_ids
+        self.scheduler.add_request(req)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.scheduler.abort_request(request_id)
+        if req is None:
+            return None
+        self.runner.release(request_id)
+        return self._output(req, [], [])
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        sampled = self.runner.execute(out)
+        finished = self.scheduler.update_from_output(
+            out, {rid: s.token_id for rid, s in sampled.items()})
+        seconds = time.perf_counter() - t0
+        num_tokens = sum(s.num_new_tokens for s in out.seqs)
+        self.last_step = StepStats(len(out.seqs), num_tokens, seconds)
+        if out.seqs and hasattr(self.scheduler, "observe_step_time"):
+            self.scheduler.observe_step_time(num_tokens, seconds)
+        outputs = {}
+        for s in out.seqs:
+            tok = sampled.get(s.request.request_id)
+            if tok is not None:
+                outputs[s.request.request_id] = self._output(s.request, [tok.token_id], [tok])
+        for req in list(finished) + list(out.finished):
+            self.runner.release(req.request_id)
+            if req.request_id not in outputs:
+                outputs[req.request_id] = self._output(req, [], [])
+        return list(outputs.values())
+
+    @staticmethod
+    def _output(req: Request, ids, lps) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=list(ids),
+            new_logprobs=list(lps),
+            finish_reason=req.finish_reason if req.is_finished else None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=len(req.output_token_ids),
+            num_cached_tokens=req.num_cached_tokens,
+        )

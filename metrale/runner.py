@@ -1,0 +1,109 @@
+"""ModelRunner: executes one SchedulerOutput on the model and returns the sampled tokens.
+
+The three-call step of the engine reads: `out = scheduler.schedule()` ->
+`sampled = runner.execute(out)` -> `scheduler.update_from_output(out, sampled)`.
+The runner owns the model, its caches (paged KV + GDN state pool), the sampler and the
+per-request random generators; it knows nothing about queues or admission.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from metrale._hot.pack import pack_indices
+from metrale.forward import ForwardBatch
+from metrale.sampling import Sampler, make_generator
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+class ModelRunner:
+    def __init__(self, model, ops, caches, block_size: int, seed: int = 0):
+        self.model = model
+        self.ops = ops
+        self.caches = caches
+        self.block_size = block_size
+        self.sampler = Sampler()
+        self._seed = seed
+        self._num_generators_made = 0
+        self._generators: dict[str, np.random.Generator] = {}
+
+    # -- per-request state ----------------------------------------------------------------
+    def _generator(self, request) -> np.random.Generator:
+        gen = self._generators.get(request.request_id)
+        if gen is None:
+            self._num_generators_made += 1
+            gen = make_generator(request.sampling_params.seed, self._seed + self._num_generators_made)
+            self._generators[request.request_id] = gen
+        return gen
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished or aborted request's sampler state."""
+        self._generators.pop(request_id, None)
+
+    # -- the step ---------------------------------------------------------------------------
+    def build_batch(self, out) -> ForwardBatch:
+        """Flatten the scheduled sequences into a ForwardBatch (packing runs in metrale._hot)."""
+        seqs = out.seqs
+        context = np.fromiter((s.request.num_computed_tokens for s in seqs), np.int32, len(seqs))
+        qlens = np.fromiter((s.num_new_tokens for s in seqs), np.int32, len(seqs))
+        width = max(len(s.block_table) for s in seqs)
+        tables = np.zeros((len(seqs), width), dtype=np.int32)
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.block_table)] = s.block_table
+        positions, slots, qsl, seq_lens = pack_indices(context, qlens, tables, self.block_size)
+        ids = np.empty(int(qsl[-1]), dtype=np.int32)
+        for i, s in enumerate(seqs):
+            start = int(context[i])
+            ids[qsl[i]: qsl[i + 1]] = s.request.all_token_ids[start: start + int(qlens[i])]
+        sample_rows = [i for i, s in enumerate(seqs) if s.sample]
+        return ForwardBatch(
+            input_ids=ids,
+            positions=positions,
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            block_tables=tables,
+            slot_mapping=slots,
+            state_slots=np.fromiter((s.state_slot for s in seqs), np.int32, len(seqs)),
+            logits_indices=(qsl[1:][sample_rows] - 1).astype(np.int32),
+            block_size=self.block_size,
+        )
+
+    def execute(self, out) -> dict[str, SampledToken]:
+        """Run the forward for `out` and sample one token for every sequence that asks."""
+        for src, dst in out.state_copies:
+            self.caches.copy_state(src, dst)
+        if not out.seqs:
+            return {}
+        batch = self.build_batch(out)
+        logits = self.model.forward(self.ops.upload_batch(batch), self.caches)
+        for src, dst in out.state_saves:
+            self.caches.copy_state(src, dst)
+        sampling = [s for s in out.seqs if s.sample]
+        if not sampling:
+            return {}
+        return self._sample(self.ops.to_numpy(logits), [s.request for s in sampling])
+
+    def _sample(self, logits: np.ndarray, requests) -> dict[str, SampledToken]:
+        logits = np.asarray(logits, dtype=np.float32)
+        result = self.sampler.sample(
+            logits,
+            [r.sampling_params for r in requests],
+            [self._generator(r) for r in requests],
+            [(r.prompt_token_ids, r.output_token_ids) for r in requests],
+        )
+        sampled = {}
+        for i, r in enumerate(requests):
+            lp = result.logprobs[i] if result.logprobs is not None else None
+            sampled[r.request_id] = SampledToken(
+                token_id=int(result.token_ids[i]),
+                logprob=None if lp is None else lp[0],
+                top_logprobs=None if lp is None else lp[1],
+            )
+        return sampled
