@@ -1,0 +1,73 @@
+"""Every METRALE_* environment variable, declared once: type, default, the flag that shadows it
+(if any), the module that reads it, and what it does.
+
+`met` refuses to start when the environment carries a METRALE_* name that is not declared here:
+it is a typo or a lever that no longer exists, and running as if it applied would mislabel
+whatever was measured. `met dump-serve-options` prints this table.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Lever:
+    name: str
+    type: type
+    default: object
+    reader: str
+    doc: str
+    flag: str | None = None
+
+
+LEVERS: dict[str, Lever] = {lv.name: lv for lv in (
+    Lever("METRALE_MAX_BODY_BYTES", int, 32 * 2**20, "frontends/app.py",
+          "largest accepted request body in bytes; larger bodies get 413"),
+    Lever("METRALE_MAX_HEADER_BYTES", int, 16 * 1024, "frontends/app.py",
+          "largest accepted total size of request headers; larger get 431"),
+    Lever("METRALE_BODY_TIMEOUT_S", float, 30.0, "frontends/gunicorn_conf.py",
+          "seconds a client may take to send its request before it is cut off"),
+    Lever("METRALE_RATE_LIMIT_RPM", int, 0, "metrale/ratelimit.py",
+          "requests per minute per key (per client address when auth is off); 0 = off"),
+    Lever("METRALE_RATE_LIMIT_TPM", int, 0, "metrale/ratelimit.py",
+          "tokens (prompt + max_tokens) per minute per key; 0 = off"),
+    Lever("METRALE_RATE_LIMIT_BURST_RPM", int, 0, "metrale/ratelimit.py",
+          "request bucket capacity; 0 = the RPM cap"),
+    Lever("METRALE_RATE_LIMIT_BURST_TPM", int, 0, "metrale/ratelimit.py",
+          "token bucket capacity; 0 = the TPM cap"),
+    Lever("METRALE_LOG_LEVEL", str, "info", "metrale/cli.py", "debug | info | warning | error"),
+    Lever("METRALE_KERNEL_CACHE", str, "", "metrale/backends/cuda.py",
+          "directory of compiled CUDA kernels; empty = ~/.cache/metrale/kernels"),
+)}
+
+
+class UndeclaredLeverError(RuntimeError):
+    pass
+
+
+def check_environment(environ=None) -> None:
+    """Refuse METRALE_* names that are not declared."""
+    environ = os.environ if environ is None else environ
+    unknown = sorted(k for k in environ if k.startswith("METRALE_") and k not in LEVERS)
+    if unknown:
+        raise UndeclaredLeverError(
+            f"unknown environment lever(s) {', '.join(unknown)}: not declared in metrale/levers.py "
+            f"(a typo, or a lever that no longer exists). Declared: {', '.join(sorted(LEVERS))}")
+
+
+def get(name: str, environ=None):
+    """The lever's value from the environment, parsed to its type, else its default."""
+    lever = LEVERS[name]
+    raw = (os.environ if environ is None else environ).get(name)
+    if raw is None or raw == "":
+        return lever.default
+    try:
+        return lever.type(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a valid {lever.type.__name__}") from None
+
+
+def table() -> list[dict]:
+    return [{"name": lv.name, "type": lv.type.__name__, "default": lv.default, "flag": lv.flag,
+             "reader": lv.reader, "doc": lv.doc} for lv in LEVERS.values()]

@@ -1,0 +1,64 @@
+"""Prometheus series, kept by the engine (the one place that sees every request) and served by
+every frontend at GET /metrics through the control socket. prometheus_client does the text
+exposition format and histogram buckets, which we would otherwise hand-roll."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class EngineMetrics:
+    def __init__(self, model: str):
+        self.model = model
+        r = self.registry = CollectorRegistry()
+        self.requests_total = Counter("metrale_requests", "requests admitted", registry=r)
+        self.requests_active = Gauge("metrale_requests_active", "requests in flight", registry=r)
+        self.ttft = Histogram("metrale_time_to_first_token_seconds", "time to first token",
+                              ["model"], buckets=_TTFT_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("metrale_prompt_tokens", "prompt tokens admitted", registry=r)
+        self.generation_tokens = Counter("metrale_generation_tokens", "tokens generated",
+                                         registry=r)
+        self.decoded_tokens = Counter("metrale_decoded_tokens", "tokens decoded", registry=r)
+        self.prefix_hits = Counter("metrale_prefix_cache_hits", "prefix cache hits", registry=r)
+        self.prefix_misses = Counter("metrale_prefix_cache_misses", "prefix cache misses",
+                                     registry=r)
+        self.prefix_hit_rate = Gauge("metrale_prefix_cache_hit_rate",
+                                     "prefix cache hits / lookups", registry=r)
+        self.waiting = Gauge("metrale_requests_waiting", "requests queued", registry=r)
+        self.kv_usage = Gauge("metrale_kv_cache_usage_ratio", "KV blocks in use / total",
+                              registry=r)
+        self._active = 0
+
+    def admitted(self, num_prompt_tokens: int) -> None:
+        self.requests_total.inc()
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self._active += 1
+        self.requests_active.set(self._active)
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.labels(model=self.model).observe(seconds)
+
+    def generated(self, n: int) -> None:
+        self.generation_tokens.inc(n)
+        self.decoded_tokens.inc(n)
+
+    def finished(self) -> None:
+        self._active -= 1
+        self.requests_active.set(self._active)
+
+    def set_gauges(self, core) -> None:
+        sched = core.scheduler
+        self.waiting.set(getattr(sched, "num_waiting", 0))
+        stats = getattr(sched, "prefix_stats", None)
+        if stats is not None:
+            self.prefix_hits._value.set(stats.hits)
+            self.prefix_misses._value.set(stats.misses)
+            lookups = stats.hits + stats.misses
+            self.prefix_hit_rate.set(stats.hits / lookups if lookups else 0.0)
+        usage = getattr(sched, "kv_usage", None)
+        if usage is not None:
+            self.kv_usage.set(usage)
+
+    def render(self) -> str:
+        return generate_latest(self.registry).decode()
