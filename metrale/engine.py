@@ -1,0 +1,287 @@
+"""The engine process: one busy loop per GPU rank.
+
+    drain sockets -> schedule -> run -> commit -> publish
+
+It owns the EngineCore, the event journal, the Prometheus registry and the rate-limit buckets
+(shared by every frontend, which are stateless). Frontends reach it over ZeroMQ (metrale.wire):
+
+    PULL    submit   Submit / Abort / Heartbeat from any number of frontends
+    PUB     output   StepOutput per step, topic = frontend id
+    ROUTER  control  health, model_info, stats (Prometheus text), rate_limit
+    PUB     events   every journal event, topic = event type
+
+A frontend that stops sending heartbeats (killed, crashed) has its requests aborted within one
+step, so no slot is held for a client nobody is listening to.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+import zmq
+
+from metrale import wire
+from metrale.core import EngineCore, RequestOutput
+from metrale.events import Journal
+from metrale.metrics import EngineMetrics
+from metrale.ratelimit import RateLimiter
+from metrale.request import Request
+from metrale.sampling import SamplingParams
+
+log = logging.getLogger("metrale.engine")
+requests_log = logging.getLogger("metrale.requests")
+
+HEARTBEAT_INTERVAL_S = 1.0
+FRONTEND_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class EngineAddresses:
+    submit: str
+    output: str
+    control: str
+    events: str
+
+    @classmethod
+    def ipc(cls, directory: str | None = None) -> "EngineAddresses":
+        d = Path(directory or tempfile.mkdtemp(prefix="metrale-"))
+        return cls(*(f"ipc://{d}/{n}" for n in ("submit", "output", "control", "events")))
+
+    @classmethod
+    def tcp(cls, host: str, port: int) -> "EngineAddresses":
+        return cls(*(f"tcp://{host}:{port + i}" for i in range(4)))
+
+    def to_dict(self) -> dict:
+        return {"submit": self.submit, "output": self.output, "control": self.control,
+                "events": self.events}
+
+
+@dataclass
+class _Live:
+    """Engine-side bookkeeping of a request in flight."""
+    frontend_id: str
+    arrival: float
+    first_token_at: float | None = None
+
+
+class EngineServer:
+    def __init__(self, core: EngineCore, model_info: dict, addresses: EngineAddresses,
+                 journal_dir: str | None):
+        self.core = core
+        self.model_info = model_info
+        self.addresses = addresses
+        self.journal = Journal(journal_dir) if journal_dir else None
+        self.metrics = EngineMetrics(model_info.get("name", ""))
+        self.ratelimit = RateLimiter.from_levers()
+        self.live: dict[str, _Live] = {}
+        self.frontends: dict[str, float] = {}
+        self.running = True
+        self._bind()
+
+    # -- sockets ----------------------------------------------------------------------------
+    def _bind(self) -> None:
+        ctx = zmq.Context.instance()
+        self.pull = ctx.socket(zmq.PULL)
+        self.out = ctx.socket(zmq.PUB)
+        self.control = ctx.socket(zmq.ROUTER)
+        self.events = ctx.socket(zmq.PUB)
+        for sock, addr in ((self.pull, self.addresses.submit), (self.out, self.addresses.output),
+                           (self.control, self.addresses.control),
+                           (self.events, self.addresses.events)):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(addr)
+        self.out.setsockopt(zmq.SNDHWM, 0)
+        self.poller = zmq.Poller()
+        self.poller.register(self.pull, zmq.POLLIN)
+        self.poller.register(self.control, zmq.POLLIN)
+
+    def close(self) -> None:
+        for s in (self.pull, self.out, self.control, self.events):
+            s.close(0)
+        if self.journal:
+            self.journal.close()
+
+    # -- events -----------------------------------------------------------------------------
+    def emit(self, event_type: str, **fields) -> None:
+        if self.journal:
+            event = self.journal.append(event_type, **fields)
+        else:
+            event = {"seq": 0, "type": event_type, "ts": time.time(), **fields}
+        self.events.send_multipart([event_type.encode(), orjson.dumps(event)])
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run(self) -> None:
+        self.emit("ModelLoaded", model=self.model_info.get("name"),
+                  model_type=self.model_info.get("model_type"))
+        while self.running:
+            busy = self.core.has_unfinished()
+            ready = dict(self.poller.poll(0 if busy else 50))
+            if self.pull in ready:
+                self._drain_submits()
+            if self.control in ready:
+                self._drain_control()
+            self._reap_frontends()
+            if self.core.has_unfinished():
+                self._publish(self.core.step())
+        self.emit("ModelReleased", model=self.model_info.get("name"))
+
+    def _drain_submits(self) -> None:
+        while True:
+            try:
+                frames = self.pull.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = wire.decode(frames)
+            except ValueError as e:
+                log.warning("dropped a malformed message: %s", e)
+                continue
+            if isinstance(msg, wire.Submit):
+                self._submit(msg)
+            elif isinstance(msg, wire.Abort):
+                self._abort(msg.request_id, msg.reason)
+            elif isinstance(msg, wire.Control) and msg.op == "heartbeat":
+                self.frontends[msg.args.get("frontend_id", "")] = time.monotonic()
+
+    def _submit(self, msg: wire.Submit) -> None:
+        self.frontends[msg.frontend_id] = time.monotonic()
+        try:
+            params = SamplingParams.from_dict(msg.sampling_params)
+            params.validate()
+            if not self.core.can_admit():
+                raise _Refused(429, "the engine queue is full (--max-num-seqs); retry shortly")
+            req = Request(msg.request_id, list(msg.prompt_token_ids), params)
+            if self.core.config.request_timeout:
+                req.deadline = req.arrival_time + self.core.config.request_timeout
+            self.core.add_request(req)
+        except _Refused as e:
+            return self._refuse(msg, e.status, str(e))
+        except ValueError as e:
+            return self._refuse(msg, 400, str(e))
+        self.live[msg.request_id] = _Live(msg.frontend_id, time.monotonic())
+        self.metrics.admitted(len(msg.prompt_token_ids))
+        self.emit("RequestAdmitted", request_id=msg.request_id, frontend_id=msg.frontend_id,
+                  num_prompt_tokens=len(msg.prompt_token_ids))
+
+    def _refuse(self, msg: wire.Submit, status: int, text: str) -> None:
+        self.emit("RequestRejected", request_id=msg.request_id, status=status, message=text)
+        delta = wire.TokenDelta(msg.request_id, (), "error", error=text, error_status=status)
+        self._send(msg.frontend_id, [delta])
+
+    def _abort(self, request_id: str, reason: str) -> None:
+        out = self.core.abort_request(request_id)
+        if out is not None:
+            self._publish([out], reason=reason)
+
+    def _reap_frontends(self) -> None:
+        now = time.monotonic()
+        dead = {f for f, seen in self.frontends.items() if now - seen > FRONTEND_TIMEOUT_S}
+        if not dead:
+            return
+        for f in dead:
+            del self.frontends[f]
+        for rid, live in list(self.live.items()):
+            if live.frontend_id in dead:
+                self._abort(rid, "frontend_gone")
+
+    # -- publishing -------------------------------------------------------------------------
+    def _publish(self, outputs: list[RequestOutput], reason: str | None = None) -> None:
+        by_frontend: dict[str, list[wire.TokenDelta]] = {}
+        now = time.monotonic()
+        counts = {}
+        for out in outputs:
+            live = self.live.get(out.request_id)
+            if live is None:
+                continue
+            if out.new_token_ids:
+                counts[out.request_id] = len(out.new_token_ids)
+                if live.first_token_at is None:
+                    live.first_token_at = now
+                    self.metrics.first_token(now - live.arrival)
+                self.metrics.generated(len(out.new_token_ids))
+            by_frontend.setdefault(live.frontend_id, []).append(_delta(out))
+            if out.finished:
+                self._finished(out, live, now, reason)
+        if counts:
+            self.emit("TokensEmitted", counts=counts)
+        for frontend_id, deltas in by_frontend.items():
+            self._send(frontend_id, deltas)
+
+    def _send(self, frontend_id: str, deltas: list[wire.TokenDelta]) -> None:
+        frames = wire.encode(wire.StepOutput(frontend_id, tuple(deltas)))
+        self.out.send_multipart([frontend_id.encode(), *frames])
+
+    def _finished(self, out: RequestOutput, live: _Live, now: float, reason: str | None) -> None:
+        del self.live[out.request_id]
+        ttft = None if live.first_token_at is None else live.first_token_at - live.arrival
+        elapsed = now - live.arrival
+        self.metrics.finished()
+        record = dict(request_id=out.request_id, reason=out.finish_reason,
+                      num_prompt_tokens=out.num_prompt_tokens,
+                      num_output_tokens=out.num_output_tokens,
+                      num_cached_tokens=out.num_cached_tokens, ttft=ttft, elapsed=elapsed)
+        if out.finish_reason == "abort":
+            self.emit("RequestAborted", **record, cause=reason or "abort")
+        else:
+            self.emit("RequestFinished", **record)
+        requests_log.info(orjson.dumps({
+            "model": self.model_info.get("name"), "request_id": out.request_id,
+            "prompt_tokens": out.num_prompt_tokens, "generated_tokens": out.num_output_tokens,
+            "cached_tokens": out.num_cached_tokens,
+            "ttft_ms": None if ttft is None else round(ttft * 1000, 2),
+            "elapsed_ms": round(elapsed * 1000, 2), "finish_reason": out.finish_reason,
+        }).decode())
+
+    # -- control ----------------------------------------------------------------------------
+    def _drain_control(self) -> None:
+        while True:
+            try:
+                ident, *frames = self.control.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = wire.decode(frames)
+                reply = self._control(msg)
+            except (ValueError, KeyError) as e:
+                reply = wire.ControlReply(False, {"error": str(e)})
+            self.control.send_multipart([ident, *wire.encode(reply)])
+
+    def _control(self, msg: wire.Control) -> wire.ControlReply:
+        if msg.op == "health":
+            return wire.ControlReply(True, {"status": "ok", "model": self.model_info.get("name")})
+        if msg.op == "model_info":
+            return wire.ControlReply(True, self.model_info)
+        if msg.op == "stats":
+            self.metrics.set_gauges(self.core)
+            return wire.ControlReply(True, {"prometheus": self.metrics.render(),
+                                            "running": len(self.live)})
+        if msg.op == "rate_limit":
+            return wire.ControlReply(True, self.ratelimit.check(msg.args.get("key", ""),
+                                                                int(msg.args.get("tokens", 0))))
+        if msg.op == "heartbeat":
+            self.frontends[msg.args.get("frontend_id", "")] = time.monotonic()
+            return wire.ControlReply(True, {})
+        raise ValueError(f"unknown control op {msg.op!r}")
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, text: str):
+        super().__init__(text)
+        self.status = status
+
+
+def _delta(out: RequestOutput) -> wire.TokenDelta:
+    lps = tuple((lp.logprob, tuple(lp.top_logprobs or ())) for lp in out.new_logprobs
+                if lp.logprob is not None)
+    return wire.TokenDelta(out.request_id, tuple(out.new_token_ids), out.finish_reason,
+                           out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens, lps)
+
+
+def default_journal_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "metrale", "events")
