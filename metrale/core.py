@@ -58,7 +58,7 @@ class EngineCore:
         spec = self.model.cache_spec()
         self.hybrid = spec.has_state
         num_blocks = self._num_kv_blocks(spec)
-        num_slots = Scheduler.num_state_slots(self.config) if self.hybrid else 1
+        num_slots = max(1, Scheduler.num_state_slots_needed(self.config, self.hybrid))
         self.caches = ModelCaches(spec, self.ops, num_blocks=num_blocks,
                                   block_size=self.config.block_size, num_state_slots=num_slots)
         self.scheduler = Scheduler(self.config, num_kv_blocks=num_blocks,

@@ -50,15 +50,14 @@ class EngineMetrics:
     def set_gauges(self, core) -> None:
         sched = core.scheduler
         self.waiting.set(getattr(sched, "num_waiting", 0))
-        stats = getattr(sched, "prefix_stats", None)
-        if stats is not None:
-            self.prefix_hits._value.set(stats.hits)
-            self.prefix_misses._value.set(stats.misses)
-            lookups = stats.hits + stats.misses
-            self.prefix_hit_rate.set(stats.hits / lookups if lookups else 0.0)
-        usage = getattr(sched, "kv_usage", None)
-        if usage is not None:
-            self.kv_usage.set(usage)
+        cache = sched.prefix_cache
+        if cache is not None:
+            self.prefix_hits._value.set(cache.num_hits)
+            self.prefix_misses._value.set(cache.num_misses)
+            lookups = cache.num_hits + cache.num_misses
+            self.prefix_hit_rate.set(cache.num_hits / lookups if lookups else 0.0)
+        pool = sched.block_pool
+        self.kv_usage.set(1.0 - pool.num_free_blocks / max(1, pool.num_blocks))
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()
