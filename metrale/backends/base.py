@@ -2,7 +2,9 @@
 
 Arrays are the backend's own (numpy on the CPU backend, cupy on CUDA). Shapes use T = tokens in
 the step, B = sequences, H = hidden size. Weights keep the HF layout ([out, in] for linears)
-unless the model's `prepare` step fuses them (e.g. gate|up stacked into one [2I, H] matrix).
+unless the model's load step fuses them (e.g. gate|up stacked into one [2I, H] matrix).
+2-D inputs may be row-strided views (column slices of a fused projection's output); an op whose
+kernel needs contiguous rows makes them contiguous itself.
 All reductions (norms, softmax, attention, GDN state) accumulate in fp32 whatever the storage
 dtype. The CPU backend (metrale.backends.cpu) is the executable spec; the CUDA backend is tested
 op by op against it.
@@ -51,7 +53,7 @@ class Ops(Protocol):
         """[T, 2I] laid out as [gate | up] -> silu(gate) * up, [T, I]."""
 
     def sigmoid_mul(self, x: Array, gate: Array) -> Array:
-        """x * sigmoid(gate), same shapes."""
+        """x * sigmoid(gate); gate is x's shape or [T, 1] (broadcast along the last dim)."""
 
     # -- matrices ------------------------------------------------------------------------------
     def linear(self, x: Array, w: Array, bias: Array | None = None) -> Array:

@@ -1,0 +1,122 @@
+"""Per-layer cache memory: the paged KV of attention layers and the GDN state pool.
+
+A model describes what each layer needs with a `CacheSpec` (one entry per decoder layer);
+`ModelCaches` allocates it through the backend's `ops.zeros`. Layouts (see metrale.forward):
+
+    attention layer:  k, v   [num_blocks, block_size, n_kv_heads, head_dim]        (ops.dtype)
+    GDN layer:        conv   [num_state_slots, conv_dim, kernel_size - 1]          (ops.dtype)
+                      ssm    [num_state_slots, n_v_heads, head_k_dim, head_v_dim]  (fp32)
+
+Block ids and state slots are handed out by the cache managers (block pool, state pool); this
+module only owns the memory and its size accounting, so the engine can size the pools from a
+memory budget before allocating them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """An attention layer's paged KV."""
+    n_kv_heads: int
+    head_dim: int
+
+    def bytes_per_block(self, block_size: int, dtype) -> int:
+        return 2 * block_size * self.n_kv_heads * self.head_dim * np.dtype(dtype).itemsize
+
+
+@dataclass(frozen=True)
+class GdnSpec:
+    """A Gated DeltaNet layer's recurrent state: conv window + delta-rule state."""
+    conv_dim: int
+    kernel_size: int
+    n_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+
+    def bytes_per_slot(self, dtype) -> int:
+        conv = self.conv_dim * (self.kernel_size - 1) * np.dtype(dtype).itemsize
+        ssm = self.n_v_heads * self.head_k_dim * self.head_v_dim * 4
+        return conv + ssm
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """What every decoder layer of a model caches, in layer order."""
+    layers: tuple[AttentionSpec | GdnSpec, ...]
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [i for i, s in enumerate(self.layers) if isinstance(s, AttentionSpec)]
+
+    @property
+    def gdn_layers(self) -> list[int]:
+        return [i for i, s in enumerate(self.layers) if isinstance(s, GdnSpec)]
+
+    def kv_bytes_per_block(self, block_size: int, dtype) -> int:
+        """Bytes one KV block costs across all attention layers (K and V)."""
+        return sum(self.layers[i].bytes_per_block(block_size, dtype) for i in self.attention_layers)
+
+    def state_bytes_per_slot(self, dtype) -> int:
+        """Bytes one state slot costs across all GDN layers (conv in `dtype`, ssm in fp32)."""
+        return sum(self.layers[i].bytes_per_slot(dtype) for i in self.gdn_layers)
+
+
+class ModelCaches:
+    """The cache arrays of one model: `kv(layer)` for attention layers, `state(layer)` for GDN
+    layers. `num_blocks` KV blocks of `block_size` tokens; `num_state_slots` GDN state rows."""
+
+    def __init__(self, spec: CacheSpec, ops, num_blocks: int, block_size: int,
+                 num_state_slots: int):
+        self.spec = spec
+        self.ops = ops
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_state_slots = num_state_slots
+        self._arrays: list[tuple] = [self._allocate(s) for s in spec.layers]
+
+    def _allocate(self, layer_spec) -> tuple:
+        if isinstance(layer_spec, AttentionSpec):
+            shape = (self.num_blocks, self.block_size, layer_spec.n_kv_heads, layer_spec.head_dim)
+            return self.ops.zeros(shape), self.ops.zeros(shape)
+        conv = (self.num_state_slots, layer_spec.conv_dim, layer_spec.kernel_size - 1)
+        ssm = (self.num_state_slots, layer_spec.n_v_heads, layer_spec.head_k_dim, layer_spec.head_v_dim)
+        return self.ops.zeros(conv), self.ops.zeros(ssm, dtype=np.float32)
+
+    def kv(self, layer: int) -> tuple:
+        """(k_cache, v_cache) of attention layer `layer`."""
+        self._expect(layer, AttentionSpec)
+        return self._arrays[layer]
+
+    def state(self, layer: int) -> tuple:
+        """(conv_state, ssm_state) of GDN layer `layer`."""
+        self._expect(layer, GdnSpec)
+        return self._arrays[layer]
+
+    def _expect(self, layer: int, kind: type) -> None:
+        if not isinstance(self.spec.layers[layer], kind):
+            raise TypeError(f"layer {layer} caches {type(self.spec.layers[layer]).__name__}, "
+                            f"not {kind.__name__}")
+
+    def copy_state(self, src_slot: int, dst_slot: int) -> None:
+        """Copy GDN state row `src_slot` to `dst_slot` in every GDN layer (prefix snapshots)."""
+        for layer in self.spec.gdn_layers:
+            conv, ssm = self._arrays[layer]
+            conv[dst_slot] = conv[src_slot]
+            ssm[dst_slot] = ssm[src_slot]
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return self.spec.kv_bytes_per_block(self.block_size, self.ops.dtype)
+
+    @property
+    def state_bytes_per_slot(self) -> int:
+        return self.spec.state_bytes_per_slot(self.ops.dtype)
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.num_blocks * self.kv_bytes_per_block
+                + self.num_state_slots * self.state_bytes_per_slot)

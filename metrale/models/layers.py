@@ -1,0 +1,251 @@
+"""Building blocks shared by the architectures, written once against the ops interface.
+
+Every block is built from a checkpoint at load time (weights fused where that saves launches)
+and called as `block(x, batch, caches)` with x [T, H] (T = new tokens of the step). Fused
+layouts (rows of an [out, in] matrix):
+
+    Attention.qkv     [q (Hq*D) | gate (Hq*D, gated attention only) | k (Hk*D) | v (Hk*D)]
+    DenseMLP.gate_up  [gate (I) | up (I)]
+    SparseMoe.gate_up [E, gate (I) | up (I), H]
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from metrale.cache.kv import CacheSpec, ModelCaches
+from metrale.forward import ForwardBatch
+from metrale.models.checkpoint import Checkpoint, CheckpointError
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+# -- weights ---------------------------------------------------------------------------------
+
+class Weights:
+    """Checkpoint tensors under a name prefix, shape-checked, converted to backend arrays."""
+
+    def __init__(self, ckpt: Checkpoint, ops, prefix: str = ""):
+        self.ckpt, self.ops, self.prefix = ckpt, ops, prefix
+
+    def sub(self, prefix: str) -> "Weights":
+        return Weights(self.ckpt, self.ops, self.prefix + prefix)
+
+    def has(self, name: str) -> bool:
+        return self.ckpt.has(self.prefix + name)
+
+    def host(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        return np.asarray(self.ckpt.tensor(self.prefix + name, shape))
+
+    def get(self, name: str, shape: tuple[int, ...], dtype=None):
+        return self.ops.asarray(self.host(name, shape), dtype)
+
+    def rows(self, parts: list[tuple[str, tuple[int, ...]]], dtype=None):
+        """Concatenate several tensors along dim 0 into one backend array."""
+        return self.ops.asarray(np.concatenate([self.host(n, s) for n, s in parts]), dtype)
+
+
+# -- config helpers --------------------------------------------------------------------------
+
+def head_dim_of(config: dict) -> int:
+    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+
+
+def require_silu(config: dict, path: str) -> None:
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(f"{path}: hidden_act {act!r} is not supported (only 'silu')")
+
+
+def rope_inv_freq(config: dict, head_dim: int, default_partial: float = 1.0) -> tuple[np.ndarray, int]:
+    """(inv_freq [rotary_dim // 2] fp32, rotary_dim) from `rope_parameters` (transformers 5) or
+    the legacy top-level `rope_theta` / `rope_scaling`. Scaling: default, linear, llama3."""
+    params = dict(config.get("rope_scaling") or {})
+    params.update(config.get("rope_parameters") or {})
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    partial = float(params.get("partial_rotary_factor", config.get("partial_rotary_factor", default_partial)))
+    rotary_dim = int(head_dim * partial)
+    inv_freq = 1.0 / theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind == "linear":
+        inv_freq = inv_freq / float(params["factor"])
+    elif kind == "llama3":
+        inv_freq = _llama3_scaling(inv_freq, params, config)
+    elif kind != "default":
+        raise CheckpointError(f"rope type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+    return inv_freq.astype(np.float32), rotary_dim
+
+
+def _llama3_scaling(inv_freq: np.ndarray, params: dict, config: dict) -> np.ndarray:
+    """Llama 3.1 frequency-dependent scaling (HF _compute_llama3_parameters)."""
+    factor = float(params["factor"])
+    low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+    old_len = float(params.get("original_max_position_embeddings", config.get("max_position_embeddings")))
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return np.where(medium, smoothed, scaled)
+
+
+@dataclass(frozen=True)
+class NormSpec:
+    """RMSNorm flavour of a model: offset 1.0 = zero-centred weights (Qwen3.5), 0.0 = plain."""
+    eps: float
+    offset: float
+
+
+# -- blocks ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class AttentionShape:
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    gated: bool = False          # Qwen3.5: q_proj emits [q | gate] per head, output * sigmoid(gate)
+
+
+class Attention:
+    """Paged causal GQA attention with optional q/k head norms, (partial) rotary, output gate."""
+
+    def __init__(self, w: Weights, layer: int, hidden: int, shape: AttentionShape, norm: NormSpec,
+                 rope: tuple[np.ndarray, int], qkv_bias: bool, o_bias: bool, qk_norm: bool):
+        self.ops, self.layer, self.shape, self.norm = w.ops, layer, shape, norm
+        hq, hk, d = shape.n_heads, shape.n_kv_heads, shape.head_dim
+        q_rows = hq * d * (2 if shape.gated else 1)
+        q = w.host("q_proj.weight", (q_rows, hidden))
+        parts = [_split_gated_q(q, hq, d)] if shape.gated else [q]
+        parts += [w.host("k_proj.weight", (hk * d, hidden)), w.host("v_proj.weight", (hk * d, hidden))]
+        self.qkv = self.ops.asarray(np.concatenate(parts))
+        self.qkv_bias = w.rows([("q_proj.bias", (hq * d,)), ("k_proj.bias", (hk * d,)),
+                                ("v_proj.bias", (hk * d,))]) if qkv_bias else None
+        self.o = w.get("o_proj.weight", (hidden, hq * d))
+        self.o_bias = w.get("o_proj.bias", (hidden,)) if o_bias else None
+        self.q_norm = w.get("q_norm.weight", (d,)) if qk_norm else None
+        self.k_norm = w.get("k_norm.weight", (d,)) if qk_norm else None
+        self.inv_freq = self.ops.asarray(rope[0], np.float32)
+        self.rotary_dim = rope[1]
+
+    def __call__(self, x, batch: ForwardBatch, caches: ModelCaches):
+        ops, (hq, hk, d) = self.ops, (self.shape.n_heads, self.shape.n_kv_heads, self.shape.head_dim)
+        t = x.shape[0]
+        qkv = ops.linear(x, self.qkv, self.qkv_bias)
+        q_end = hq * d * (2 if self.shape.gated else 1)
+        q = qkv[:, : hq * d].reshape(t, hq, d)
+        k = qkv[:, q_end: q_end + hk * d].reshape(t, hk, d)
+        v = qkv[:, q_end + hk * d:].reshape(t, hk, d)
+        if self.q_norm is not None:
+            q = ops.head_rms_norm(q, self.q_norm, self.norm.eps, self.norm.offset)
+            k = ops.head_rms_norm(k, self.k_norm, self.norm.eps, self.norm.offset)
+        q, k = ops.rope(q, k, batch.positions, self.inv_freq, self.rotary_dim)
+        k_cache, v_cache = caches.kv(self.layer)
+        ops.write_kv(k, v, k_cache, v_cache, batch)
+        o = ops.attention(q, k_cache, v_cache, batch, d ** -0.5).reshape(t, hq * d)
+        if self.shape.gated:
+            o = ops.sigmoid_mul(o, qkv[:, hq * d: q_end])
+        return ops.linear(o, self.o, self.o_bias)
+
+
+def _split_gated_q(q: np.ndarray, n_heads: int, head_dim: int) -> np.ndarray:
+    """HF gated q_proj rows are per head [q (D) | gate (D)]; regroup to [all q | all gates]."""
+    per_head = q.reshape(n_heads, 2, head_dim, q.shape[-1])
+    return np.concatenate([per_head[:, 0].reshape(-1, q.shape[-1]), per_head[:, 1].reshape(-1, q.shape[-1])])
+
+
+class DenseMLP:
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)) with gate|up fused."""
+
+    def __init__(self, w: Weights, hidden: int, intermediate: int):
+        self.ops = w.ops
+        self.gate_up = w.rows([("gate_proj.weight", (intermediate, hidden)),
+                               ("up_proj.weight", (intermediate, hidden))])
+        self.down = w.get("down_proj.weight", (hidden, intermediate))
+
+    def __call__(self, x, batch=None, caches=None):
+        return self.ops.linear(self.ops.silu_mul(self.ops.linear(x, self.gate_up)), self.down)
+
+
+class SparseMoe:
+    """Softmax top-k router over E SwiGLU experts, plus an optional shared expert scaled by
+    sigmoid(shared_expert_gate(x)). Experts load from the fused transformers-5 layout
+    (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]) or per expert
+    (`experts.{e}.gate_proj.weight` ...)."""
+
+    def __init__(self, w: Weights, hidden: int, n_experts: int, intermediate: int, top_k: int,
+                 renormalize: bool, shared_intermediate: int = 0):
+        self.ops, self.top_k, self.renormalize = w.ops, top_k, renormalize
+        self.router = w.get("gate.weight", (n_experts, hidden))
+        self.gate_up, self.down = _load_experts(w.sub("experts."), hidden, n_experts, intermediate)
+        self.shared = DenseMLP(w.sub("shared_expert."), hidden, shared_intermediate) if shared_intermediate else None
+        self.shared_gate = w.get("shared_expert_gate.weight", (1, hidden)) if shared_intermediate else None
+
+    def __call__(self, x, batch=None, caches=None):
+        ops = self.ops
+        y = ops.moe(x, self.router, self.gate_up, self.down, self.top_k, self.renormalize)
+        if self.shared is None:
+            return y
+        shared = ops.sigmoid_mul(self.shared(x), ops.linear(x, self.shared_gate))  # gate [T, 1] broadcasts
+        return y + shared
+
+
+def _load_experts(w: Weights, hidden: int, n: int, inter: int):
+    if w.has("gate_up_proj"):
+        return (w.get("gate_up_proj", (n, 2 * inter, hidden)), w.get("down_proj", (n, hidden, inter)))
+    gate_up = np.stack([np.concatenate([w.host(f"{e}.gate_proj.weight", (inter, hidden)),
+                                        w.host(f"{e}.up_proj.weight", (inter, hidden))]) for e in range(n)])
+    down = np.stack([w.host(f"{e}.down_proj.weight", (hidden, inter)) for e in range(n)])
+    return w.ops.asarray(gate_up), w.ops.asarray(down)
+
+
+class DecoderLayer:
+    """Pre-norm residual block: x -> mixer(norm(x)) -> mlp(norm(.)), residual adds fused into
+    the norms (ops.add_rms_norm)."""
+
+    def __init__(self, ops, mixer, mlp, input_norm, post_norm, norm: NormSpec):
+        self.ops, self.mixer, self.mlp, self.norm = ops, mixer, mlp, norm
+        self.input_norm, self.post_norm = input_norm, post_norm
+
+    def __call__(self, x, residual, batch: ForwardBatch, caches: ModelCaches):
+        ops, eps, off = self.ops, self.norm.eps, self.norm.offset
+        h, residual = ops.add_rms_norm(x, residual, self.input_norm, eps, off)
+        h = self.mixer(h, batch, caches)
+        h, residual = ops.add_rms_norm(h, residual, self.post_norm, eps, off)
+        return self.mlp(h, batch, caches), residual
+
+
+class CausalLM:
+    """Embedding -> decoder layers -> final norm -> lm_head, over one ForwardBatch.
+
+    forward(batch, caches) -> logits [len(batch.logits_indices), vocab] (backend array; fp32
+    numpy on the CPU backend). `batch` carries its index arrays where the backend wants them
+    (ops.upload_batch)."""
+
+    def __init__(self, config: dict, ops, spec: CacheSpec, embed, layers: list[DecoderLayer],
+                 final_norm, lm_head, norm: NormSpec):
+        self.config, self.ops, self._spec = config, ops, spec
+        self.embed, self.layers, self.final_norm, self.lm_head = embed, layers, final_norm, lm_head
+        self.norm = norm
+        self.vocab_size = int(lm_head.shape[0])
+
+    def cache_spec(self) -> CacheSpec:
+        return self._spec
+
+    def forward(self, batch: ForwardBatch, caches: ModelCaches):
+        ops = self.ops
+        x, residual = ops.embedding(batch.input_ids, self.embed), None
+        for layer in self.layers:
+            x, residual = layer(x, residual, batch, caches)
+        h, _ = ops.add_rms_norm(x, residual, self.final_norm, self.norm.eps, self.norm.offset)
+        return ops.linear(ops.embedding(batch.logits_indices, h), self.lm_head)
+
+
+def load_embeddings(w: Weights, config: dict, prefix: str) -> tuple:
+    """(embed_tokens [V, H], lm_head [V, H]); the same array when embeddings are tied."""
+    shape = (config["vocab_size"], config["hidden_size"])
+    embed = w.get(prefix + "embed_tokens.weight", shape)
+    if config.get("tie_word_embeddings", False):
+        return embed, embed
+    return embed, w.get("lm_head.weight", shape)

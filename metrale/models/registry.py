@@ -1,0 +1,39 @@
+"""Architecture registry: `build_model(ckpt, ops)` picks the builder by the config's model_type.
+
+A model (metrale.models.layers.CausalLM) offers:
+    cache_spec() -> metrale.cache.kv.CacheSpec     what each layer caches (size pools from it)
+    forward(batch, caches) -> logits [len(batch.logits_indices), vocab_size]
+    vocab_size, config
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from metrale.models.checkpoint import Checkpoint, CheckpointError
+from metrale.models.layers import CausalLM
+from metrale.models.llama import build_llama_family
+from metrale.models.qwen3_5 import build_qwen3_5
+
+_BUILDERS: dict[str, Callable[[Checkpoint, object], CausalLM]] = {
+    "qwen3_5": build_qwen3_5,
+    "qwen3_5_moe": build_qwen3_5,
+    "qwen3": build_llama_family,
+    "qwen2": build_llama_family,
+    "llama": build_llama_family,
+}
+
+# text-config spellings of the same architectures (a loader that flattens text_config may keep them)
+_ALIASES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+
+SUPPORTED_MODEL_TYPES = tuple(_BUILDERS)
+
+
+def build_model(ckpt: Checkpoint, ops) -> CausalLM:
+    """Build the model of `ckpt` on backend `ops`, loading (and fusing) its weights."""
+    model_type = _ALIASES.get(ckpt.model_type, ckpt.model_type)
+    builder = _BUILDERS.get(model_type)
+    if builder is None:
+        raise CheckpointError(
+            f"{ckpt.path}: model_type {ckpt.model_type!r} is not supported; supported types: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    return builder(ckpt, ops)
