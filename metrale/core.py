@@ -56,7 +56,7 @@ class EngineCore:
         self.ops = make_ops(self.config)
         self.model = build_model(ckpt, self.ops)
         spec = self.model.cache_spec()
-        self.hybrid = spec.has_state
+        self.hybrid = bool(spec.gdn_layers)
         num_blocks = self._num_kv_blocks(spec)
         num_slots = max(1, Scheduler.num_state_slots_needed(self.config, self.hybrid))
         self.caches = ModelCaches(spec, self.ops, num_blocks=num_blocks,
@@ -80,7 +80,7 @@ class EngineCore:
             budget = (cfg.kv_cache_memory_mb or _CPU_KV_BUDGET_MB) * 2**20
         else:
             budget = self.ops.free_memory_bytes(cfg.gpu_memory_utilization, cfg.oom_guard_mb)
-        return max(2, min(wanted, budget // per_block)) if spec.has_kv else 2
+        return max(2, min(wanted, budget // per_block)) if spec.attention_layers else 2
 
     # -- requests ---------------------------------------------------------------------------
     def can_admit(self) -> bool:

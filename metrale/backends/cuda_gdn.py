@@ -1,0 +1,288 @@
+"""CUDA implementations of the Gated DeltaNet and MoE ops (semantics: metrale.backends.base.Ops).
+
+CudaOps (metrale/backends/cuda.py) delegates to these functions; each takes the CudaOps instance
+first (for its kernel loader) and otherwise the base.Ops signature. Kernels live in
+kernels_cuda/gdn_conv.cu, gdn_delta.cu and moe.cu; each file's header states its layouts, bytes
+and FLOPs. Every launch has a shape fixed by the array shapes alone (no device->host reads), so
+the decode path can be captured in a CUDA graph.
+
+Activations may be bf16 (ml_dtypes.bfloat16 cupy arrays) or fp32: the kernel suffix follows the
+array's item size. Small per-channel weights (conv kernel, A_log, dt_bias, norm weight) are used
+as fp32 copies made once per weight array.
+"""
+from __future__ import annotations
+
+import os
+
+import cupy as cp
+import numpy as np
+
+KERNEL_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "kernels_cuda")
+GDN_CHUNK = 64                   # must match CH in gdn_delta.cu
+CONV_SEG = 64                    # tokens per thread segment in gdn_conv.cu
+MOE_BM = 64                      # rows per GEMM tile in moe.cu
+GDN_HEAD_DIMS = {(16, 16), (32, 32), (64, 64), (128, 128), (64, 128), (128, 64)}
+SMEM_LIMIT = 232448              # H100/H200 max dynamic shared memory per block
+
+_modules: dict[str, object] = {}
+_f32_cache: dict[int, tuple[object, object]] = {}
+
+
+# -- kernel loading ---------------------------------------------------------------------------
+
+def _kernel(ops, file: str, name: str, smem: int = 0):
+    """Kernel `name` of kernels_cuda/`file`, through CudaOps.kernel (compiled once, cached; it
+    raises the dynamic shared-memory limit to `smem`). A private NVRTC module otherwise."""
+    loader = getattr(ops, "kernel", None)
+    if callable(loader):
+        return loader(file[:-3] if file.endswith(".cu") else file, name, smem)
+    mod = _modules.get(file)
+    if mod is None:
+        kdir = os.path.abspath(KERNEL_DIR)
+        with open(os.path.join(kdir, file)) as f:
+            src = f.read()
+        mod = cp.RawModule(code=src, options=("-std=c++17", f"-I{kdir}"))
+        _modules[file] = mod
+    fn = mod.get_function(name)
+    if smem > 48 * 1024:
+        fn.max_dynamic_shared_size_bytes = smem
+    return fn
+
+
+def _empty(ops, shape, dtype):
+    """Output buffer; CudaOps NaN-fills new outputs when METRALE_CUDA_POISON=1 (tests)."""
+    new = getattr(ops, "_new", None)
+    return new(shape, dtype) if callable(new) else cp.empty(shape, dtype=dtype)
+
+
+def _sfx(a) -> str:
+    return "bf16" if a.dtype.itemsize == 2 else "f32"
+
+
+def _dev(a):
+    return a if isinstance(a, cp.ndarray) else cp.asarray(a)
+
+
+def _i32(a):
+    a = _dev(a)
+    return a if a.dtype == cp.int32 else a.astype(cp.int32)
+
+
+def _f32(w):
+    """fp32 view/copy of a small weight, made once per weight array."""
+    if w.dtype == cp.float32 and w.flags.c_contiguous:
+        return w
+    hit = _f32_cache.get(id(w))
+    if hit is not None and hit[0] is w:
+        return hit[1]
+    w32 = cp.ascontiguousarray(w.astype(cp.float32))
+    _f32_cache[id(w)] = (w, w32)
+    return w32
+
+
+def _token_stride(x, inner: tuple[int, ...]):
+    """(array, token stride in elements) with everything but dim 0 contiguous."""
+    isz = x.dtype.itemsize
+    want = isz
+    ok = True
+    for dim, stride in zip(reversed(inner), reversed(x.strides[1:])):
+        if dim > 1 and stride != want:
+            ok = False
+        want *= dim
+    if not ok or x.strides[0] % isz or x.strides[0] < want:
+        x = cp.ascontiguousarray(x)
+    return x, np.int64(x.strides[0] // isz if x.shape[0] > 1 else int(np.prod(inner)))
+
+
+def _batch_arrays(batch):
+    return (_i32(batch.query_start_loc), _i32(batch.seq_lens), _i32(batch.state_slots))
+
+
+# -- Gated DeltaNet ---------------------------------------------------------------------------
+
+def causal_conv1d(ops, x, weight, conv_state, batch):
+    """Depthwise causal conv (K = 4) + SiLU over each sequence's new tokens, continuing from and
+    updating conv_state[state_slots[i]] (zeros when the sequence starts fresh)."""
+    T, C = x.shape
+    K = weight.shape[-1]
+    if K != 4:
+        raise ValueError(f"causal_conv1d: kernel size {K} is not supported (the CUDA kernel is "
+                         "built for K = 4, Qwen3.5's linear_conv_kernel_dim)")
+    if conv_state.shape[1:] != (C, K - 1) or not conv_state.flags.c_contiguous:
+        raise ValueError(f"conv_state must be a contiguous [slots, {C}, {K - 1}] array, "
+                         f"got {conv_state.shape}")
+    out = _empty(ops, (T, C), x.dtype)
+    B = batch.num_seqs
+    if T == 0 or B == 0:
+        return out
+    x, sx = _token_stride(x, (C,))
+    w = _f32(weight.reshape(C, K))
+    sfx = f"{_sfx(x)}_{_sfx(conv_state)}"
+    if sfx == "f32_bf16":
+        raise ValueError("causal_conv1d: fp32 activations with a bf16 conv state are not built")
+    qsl, seq_lens, slots = _batch_arrays(batch)
+    grid = ((C + 127) // 128, T // CONV_SEG + B)
+    _kernel(ops, "gdn_conv.cu", f"gdn_conv4_{sfx}")(
+        grid, (128,), (x, sx, w, conv_state, out, qsl, seq_lens, slots,
+                       np.int32(B), np.int32(C), np.int32(CONV_SEG)))
+    return out
+
+
+def gdn_gates(ops, a, b, A_log, dt_bias):
+    """g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b); fp32 [T, Hv]."""
+    T, Hv = a.shape
+    g = _empty(ops, (T, Hv), cp.float32)
+    beta = _empty(ops, (T, Hv), cp.float32)
+    if T == 0:
+        return g, beta
+    if a.dtype != b.dtype:
+        b = b.astype(a.dtype)
+    a, sa = _token_stride(a, (Hv,))
+    b, sb = _token_stride(b, (Hv,))
+    n = T * Hv
+    _kernel(ops, "gdn_delta.cu", f"gdn_gates_{_sfx(a)}")(
+        ((n + 255) // 256,), (256,),
+        (a, b, sa, sb, _f32(A_log), _f32(dt_bias), g, beta, np.int32(T), np.int32(Hv)))
+    return g, beta
+
+
+def chunk_smem_bytes(dk: int, dv: int) -> int:
+    """Dynamic shared memory of the chunked kernel (ChunkSmem in gdn_delta.cu)."""
+    c = GDN_CHUNK
+    return 4 * (dk * dv + 3 * c * (dk + 1) + c * (dv + 1) + c * (c + 1) + 2 * c)
+
+
+def gated_delta_rule(ops, q, k, v, g, beta, ssm_state, batch):
+    """The gated delta rule per sequence from/into ssm_state[state_slots[i]] (fp32): the
+    recurrent kernel when every sequence adds one token (decode), the chunked one otherwise."""
+    T, Hk, Dk = q.shape
+    _, Hv, Dv = v.shape
+    if (Dk, Dv) not in GDN_HEAD_DIMS:
+        raise ValueError(f"gated_delta_rule: head dims (k {Dk}, v {Dv}) are not built; "
+                         f"supported: {sorted(GDN_HEAD_DIMS)} (add a GDN_INST line in gdn_delta.cu)")
+    if Hv % Hk:
+        raise ValueError(f"gated_delta_rule: {Hv} value heads are not a multiple of {Hk} key heads")
+    if (ssm_state.dtype != cp.float32 or not ssm_state.flags.c_contiguous
+            or ssm_state.shape[1:] != (Hv, Dk, Dv)):
+        raise ValueError(f"ssm_state must be contiguous fp32 [slots, {Hv}, {Dk}, {Dv}], got "
+                         f"{ssm_state.dtype} {ssm_state.shape}")
+    o = _empty(ops, (T, Hv, Dv), q.dtype)
+    B = batch.num_seqs
+    if T == 0 or B == 0:
+        return o
+    k = k if k.dtype == q.dtype else k.astype(q.dtype)
+    v = v if v.dtype == q.dtype else v.astype(q.dtype)
+    q, sq = _token_stride(q, (Hk, Dk))
+    k, sk = _token_stride(k, (Hk, Dk))
+    v, sv = _token_stride(v, (Hv, Dv))
+    g = cp.ascontiguousarray(g, dtype=cp.float32)
+    beta = cp.ascontiguousarray(beta, dtype=cp.float32)
+    qsl, seq_lens, slots = _batch_arrays(batch)
+    args = (q, k, v, sq, sk, sv, g, beta, ssm_state, o, qsl, seq_lens, slots,
+            np.int32(Hk), np.int32(Hv))
+    if T == B:   # decode: one token per sequence
+        fn = _kernel(ops, "gdn_delta.cu", f"gdn_recurrent_{Dk}x{Dv}_{_sfx(q)}")
+        fn((Hv, B), (min(256, Dk * Dv // 4),), args)
+    else:
+        smem = chunk_smem_bytes(Dk, Dv)
+        if smem > SMEM_LIMIT:
+            raise ValueError(f"gated_delta_rule: {smem} B of shared memory needed")
+        fn = _kernel(ops, "gdn_delta.cu", f"gdn_chunked_{Dk}x{Dv}_{_sfx(q)}", smem)
+        fn((Hv, B), (256,), args, shared_mem=smem)
+    return o
+
+
+def recurrent_gated_delta_rule(ops, q, k, v, g, beta, ssm_state, batch):
+    """The recurrent kernel for any batch (token by token); for tests and tiny batches."""
+    T, Hk, Dk = q.shape
+    _, Hv, Dv = v.shape
+    o = _empty(ops, (T, Hv, Dv), q.dtype)
+    q, sq = _token_stride(q, (Hk, Dk))
+    k, sk = _token_stride(k, (Hk, Dk))
+    v, sv = _token_stride(v, (Hv, Dv))
+    qsl, seq_lens, slots = _batch_arrays(batch)
+    fn = _kernel(ops, "gdn_delta.cu", f"gdn_recurrent_{Dk}x{Dv}_{_sfx(q)}")
+    fn((Hv, batch.num_seqs), (min(256, Dk * Dv // 4),),
+       (q, k, v, sq, sk, sv, cp.ascontiguousarray(g, dtype=cp.float32),
+        cp.ascontiguousarray(beta, dtype=cp.float32), ssm_state, o, qsl, seq_lens, slots,
+        np.int32(Hk), np.int32(Hv)))
+    return o
+
+
+def gated_rms_norm(ops, x, z, w, eps):
+    """rms_norm(x) * w * silu(z) over the last dim (w not zero-centred)."""
+    D = x.shape[-1]
+    x = cp.ascontiguousarray(x)
+    z = cp.ascontiguousarray(z if z.dtype == x.dtype else z.astype(x.dtype))
+    out = _empty(ops, x.shape, x.dtype)
+    rows = x.size // D if D else 0
+    if rows == 0:
+        return out
+    _kernel(ops, "gdn_conv.cu", f"gated_rms_norm_{_sfx(x)}")(
+        ((rows + 7) // 8,), (256,), (x, z, _f32(w), out, np.int32(rows), np.int32(D),
+                                     np.float32(eps)))
+    return out
+
+
+# -- mixture of experts -----------------------------------------------------------------------
+
+def _router_logits(ops, x, router_w):
+    linear = getattr(ops, "linear", None)
+    if callable(linear):
+        return linear(x, router_w)
+    return x @ router_w.T
+
+
+def moe(ops, x, router_w, gate_up, down, top_k, renormalize):
+    """softmax router over E experts, top-k (renormalised when asked), weighted sum of the
+    experts' SiLU MLPs. x [T, H], router_w [E, H], gate_up [E, 2I, H], down [E, H, I]."""
+    T, H = x.shape
+    E = router_w.shape[0]
+    I = down.shape[2]
+    if gate_up.shape != (E, 2 * I, H) or down.shape != (E, H, I):
+        raise ValueError(f"moe: gate_up {gate_up.shape} / down {down.shape} do not match "
+                         f"E={E}, H={H}, I={I}")
+    if E > 1024 or not 0 < top_k <= E:
+        raise ValueError(f"moe: E={E}, top_k={top_k} not supported (E <= 1024, 0 < top_k <= E)")
+    if H % 8 or I % 8:
+        raise ValueError(f"moe: H={H} and I={I} must be multiples of 8 (16-byte loads)")
+    out = _empty(ops, (T, H), x.dtype)
+    if T == 0:
+        return out
+    x = cp.ascontiguousarray(x)
+    if gate_up.dtype != x.dtype or down.dtype != x.dtype:
+        raise ValueError(f"moe: weights {gate_up.dtype}/{down.dtype} differ from x {x.dtype}")
+    gate_up = cp.ascontiguousarray(gate_up)
+    down = cp.ascontiguousarray(down)
+    logits = cp.ascontiguousarray(_router_logits(ops, x, router_w))
+    P = T * top_k
+    max_tiles = P // MOE_BM + min(E, P) + 1
+    ints = cp.zeros(2 * E + (E + 1) + 2 * max_tiles + 2 * P + P, dtype=cp.int32)
+    counts, fill = ints[:E], ints[E:2 * E]
+    offsets = ints[2 * E:3 * E + 1]
+    tile_expert = ints[3 * E + 1:3 * E + 1 + max_tiles]
+    tile_row0 = ints[3 * E + 1 + max_tiles:3 * E + 1 + 2 * max_tiles]
+    rest = ints[3 * E + 1 + 2 * max_tiles:]
+    sorted_pair, pair_pos, ids = rest[:P], rest[P:2 * P], rest[2 * P:3 * P]
+    wts = cp.empty(P, dtype=cp.float32)
+    sfx = _sfx(x)
+    _kernel(ops, "moe.cu", f"moe_route_{_sfx(logits)}")(
+        ((T + 3) // 4,), (128,),
+        (logits, np.int32(T), np.int32(E), np.int32(top_k), np.int32(bool(renormalize)),
+         ids, wts, counts), shared_mem=4 * E * 4)
+    _kernel(ops, "moe.cu", "moe_scan")(
+        (1,), (1024,), (counts, np.int32(E), np.int32(max_tiles), offsets, tile_expert, tile_row0))
+    _kernel(ops, "moe.cu", "moe_scatter")(
+        ((P + 255) // 256,), (256,), (ids, np.int32(P), offsets, fill, sorted_pair, pair_pos))
+    act = _empty(ops, (P, I), x.dtype)
+    _kernel(ops, "moe.cu", f"moe_gemm_gate_up_{sfx}")(
+        ((I + 63) // 64, max_tiles), (256,),
+        (x, sorted_pair, np.int32(top_k), gate_up, np.int32(I), np.int32(H),
+         tile_expert, tile_row0, offsets, act))
+    y = _empty(ops, (P, H), x.dtype)
+    _kernel(ops, "moe.cu", f"moe_gemm_down_{sfx}")(
+        ((H + 63) // 64, max_tiles), (256,),
+        (act, down, np.int32(H), np.int32(I), tile_expert, tile_row0, offsets, y))
+    _kernel(ops, "moe.cu", f"moe_combine_{sfx}")(
+        (T, (H + 255) // 256), (256,), (y, pair_pos, wts, np.int32(top_k), np.int32(H), out))
+    return out

@@ -1,0 +1,162 @@
+"""Sampling on the GPU: one host->device copy of the per-row parameters, three kernels at most,
+one device->host copy of the result per step (kernels_cuda/sampling.cu states the rules).
+
+    sampler = GpuSampler(ops, vocab_size, max_batch)
+    sampler.begin(slot, prompt_ids)             # a sequence takes a count-table row
+    tokens = sampler.sample(logits, params, steps, slots=slots)   # np.int32 [B]
+    result = sampler.sample(..., logprobs=True) # SampleResult with logprobs
+
+Order of the rules per row (HF's logits-processor order): repetition penalty (prompt and output
+tokens), presence/frequency penalties (output tokens), temperature (0 = greedy argmax, lowest
+id on ties), then the kept set is the intersection of top-k (ties at the k-th value kept),
+top-p (over the top-k set's renormalised distribution: the shortest run of the largest values
+whose mass reaches top_p), min-p (p >= min_p * p_max) and top-n-sigma (l >= max - n*std), and
+the token is argmax(l + Gumbel) over it: an exact draw from the renormalised softmax.
+
+Randomness: Philox4x32-10 keyed by the row's seed, counter (token id / 4, step). The same
+(seed, step) gives the same token whatever the batch; rows without a seed get one drawn from
+the sampler's own generator when they are first seen in a slot (so a sequence keeps one seed).
+`steps[i]` is the number of tokens sequence i has generated so far.
+
+Penalty counts live on the device, one row per slot (the engine's sequence slot, like the GDN
+`state_slots`): `begin` resets a slot and marks its prompt; every `sample` adds the chosen
+token to its slot's counts inside the kernel. Without `slots`, row i uses slot i.
+Logprobs are those of the raw logits (the model's distribution, before penalties and
+temperature): the chosen token's and the top `max(p.logprobs)` ids with theirs.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import cupy as cp
+import numpy as np
+
+from metrale.sampling import SamplingParams
+
+from .cuda_gdn import _kernel, _sfx
+
+NPRM = 16
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SampleResult:
+    tokens: np.ndarray                      # int32 [B]
+    logprobs: np.ndarray | None = None      # float32 [B]    logprob of the chosen token
+    top_ids: np.ndarray | None = None       # int32 [B, K]   -1 past a row's own k
+    top_logprobs: np.ndarray | None = None  # float32 [B, K]
+
+
+class GpuSampler:
+    def __init__(self, ops, vocab_size: int, max_batch: int, num_slots: int | None = None,
+                 penalties: bool = True, seed: int | None = None):
+        self.ops = ops
+        self.vocab_size = int(vocab_size)
+        self.max_batch = int(max_batch)
+        self.num_slots = int(num_slots or max_batch)
+        self.work = cp.empty((self.max_batch, self.vocab_size), dtype=cp.float32)
+        self.out = cp.empty((self.max_batch, 2 + 2 * MAX_LOGPROBS), dtype=cp.int32)
+        self.prm = cp.empty((self.max_batch, NPRM), dtype=cp.int32)
+        self.counts = (cp.zeros((self.num_slots, self.vocab_size), dtype=cp.int32)
+                       if penalties else None)
+        self.prompt = (cp.zeros((self.num_slots, self.vocab_size), dtype=cp.uint8)
+                       if penalties else None)
+        self._rng = np.random.default_rng(seed if seed is not None
+                                          else int.from_bytes(os.urandom(8), "little"))
+        self._slot_seed = np.zeros(self.num_slots, dtype=np.uint64)
+        self._slot_seeded = np.zeros(self.num_slots, dtype=bool)
+
+    # -- per-sequence state ---------------------------------------------------------------------
+    def begin(self, slot: int, prompt_ids=()) -> None:
+        """Sequence starts in `slot`: clear its counts, mark its prompt tokens (repetition
+        penalty), draw its default seed."""
+        self._slot_seed[slot] = self._rng.integers(0, 2**63, dtype=np.uint64)
+        self._slot_seeded[slot] = True
+        if self.counts is None:
+            return
+        self.counts[slot] = 0
+        self.prompt[slot] = 0
+        ids = np.asarray(prompt_ids, dtype=np.int64)
+        ids = ids[(ids >= 0) & (ids < self.vocab_size)]
+        if ids.size:
+            self.prompt[slot, cp.asarray(ids)] = 1
+
+    # -- one step -------------------------------------------------------------------------------
+    def _pack(self, params, steps, slots) -> np.ndarray:
+        B = len(params)
+        prm = np.zeros((B, NPRM), dtype=np.int32)
+        f = prm.view(np.float32)
+        for i, p in enumerate(params):
+            slot = int(slots[i])
+            if p.seed is not None:
+                seed = int(p.seed) & (2**64 - 1)
+            else:
+                if 0 <= slot < self.num_slots and not self._slot_seeded[slot]:
+                    self._slot_seed[slot] = self._rng.integers(0, 2**63, dtype=np.uint64)
+                    self._slot_seeded[slot] = True
+                seed = int(self._slot_seed[slot]) if 0 <= slot < self.num_slots else \
+                    int(self._rng.integers(0, 2**63))
+            f[i, 0] = p.temperature
+            f[i, 1] = p.top_p
+            f[i, 2] = p.min_p
+            f[i, 3] = p.presence_penalty
+            f[i, 4] = p.frequency_penalty
+            f[i, 5] = p.repetition_penalty
+            f[i, 6] = p.top_n_sigma
+            prm[i, 8] = p.top_k if 0 < p.top_k < self.vocab_size else 0
+            prm[i, 9] = np.uint32(seed & 0xFFFFFFFF).view(np.int32)
+            prm[i, 10] = np.uint32(seed >> 32).view(np.int32)
+            prm[i, 11] = np.uint32(int(steps[i]) & 0xFFFFFFFF).view(np.int32)
+            prm[i, 12] = slot if 0 <= slot < self.num_slots else -1
+            prm[i, 13] = int(p.presence_penalty != 0 or p.frequency_penalty != 0
+                             or p.repetition_penalty != 1)
+            prm[i, 14] = -1 if p.logprobs is None else min(int(p.logprobs), MAX_LOGPROBS)
+        return prm
+
+    def sample(self, logits, params: list[SamplingParams], steps, slots=None,
+               logprobs: bool = False):
+        """logits [B, V] (bf16 or fp32, on the device) -> np.int32 [B] (or a SampleResult with
+        logprobs filled in when `logprobs` is True)."""
+        B, V = logits.shape
+        if V != self.vocab_size or B > self.max_batch or len(params) != B:
+            raise ValueError(f"sample: logits {logits.shape}, {len(params)} params; sampler "
+                             f"built for vocab {self.vocab_size}, max batch {self.max_batch}")
+        if B == 0:
+            return np.zeros(0, np.int32) if not logprobs else SampleResult(np.zeros(0, np.int32))
+        slots = np.arange(B) if slots is None else np.asarray(slots)
+        if logits.strides[-1] != logits.dtype.itemsize:
+            logits = cp.ascontiguousarray(logits)
+        ld = np.int64(logits.strides[0] // logits.dtype.itemsize)
+        prm = self.prm[:B]
+        prm.set(self._pack(params, steps, slots))
+        nullptr = np.uint64(0)  # a NULL pointer argument
+        counts = self.counts if self.counts is not None else nullptr
+        prompt = self.prompt if self.prompt is not None else nullptr
+        sfx = _sfx(logits)
+        chunks = min(64, (V + 1023) // 1024)
+        _kernel(self.ops, "sampling.cu", f"sample_prepare_{sfx}")(
+            (chunks, B), (256,), (logits, ld, prm, counts, prompt, self.work, np.int32(V)))
+        ow = self.out.shape[1]
+        _kernel(self.ops, "sampling.cu", "sample_select_f32")(
+            (B,), (1024,), (self.work, np.int32(V), prm, counts, self.out, np.int32(ow)))
+        kmax = max((min(p.logprobs, MAX_LOGPROBS) for p in params if p.logprobs is not None),
+                   default=-1)
+        if not logprobs or kmax < 0:
+            toks = self.out[:B, 0].get()
+            return toks if not logprobs else SampleResult(toks)
+        K = max(kmax, 0)
+        _kernel(self.ops, "sampling.cu", f"sample_logprobs_{sfx}")(
+            (B,), (1024,), (logits, ld, np.int32(V), prm, self.out, np.int32(ow), np.int32(K)))
+        host = self.out[:B, :2 + 2 * K].get()          # the one device->host copy
+        res = SampleResult(
+            tokens=host[:, 0].copy(),
+            logprobs=host[:, 1].view(np.float32).copy(),
+            top_ids=host[:, 2:2 + K].copy(),
+            top_logprobs=host[:, 2 + K:2 + 2 * K].view(np.float32).copy(),
+        )
+        off = np.array([p.logprobs is None for p in params])
+        res.logprobs[off] = np.nan
+        res.top_ids[off] = -1
+        res.top_logprobs[off] = -np.inf
+        return res

@@ -1,0 +1,364 @@
+"""GPU tests of the Gated DeltaNet and MoE kernels (metrale/backends/cuda_gdn.py) against the CPU
+backend (the executable spec) and HF's torch reference (torch_chunk_gated_delta_rule).
+
+Inputs are random, batches ragged across chunk boundaries (1, 63, 64, 65, 200 tokens) with and
+without cached context, outputs NaN-poisoned (METRALE_CUDA_POISON=1), the state rows of fresh
+sequences filled with garbage (they must be ignored). bf16 outputs: relative error <= 1e-2;
+fp32 paths and the fp32 state tighter.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+os.environ.setdefault("METRALE_CUDA_POISON", "1")
+
+LENS = [1, 63, 64, 65, 200]
+CTXS = [0, 7, 3, 0, 12]
+
+
+def _rel(a, b):
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    assert np.isfinite(a).all(), "non-finite values in the CUDA result (unwritten output?)"
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@pytest.fixture(scope="module")
+def cuda_ops():
+    from metrale.backends.cuda import BF16, CudaOps
+    return {"bf16": CudaOps(dtype=BF16), "f32": CudaOps(dtype=np.float32)}
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    from metrale.backends.cpu import CpuOps
+    return CpuOps()
+
+
+def _batch(lens, ctxs, slots):
+    from metrale.forward import contiguous_batch
+    toks = [[1] * n for n in lens]
+    tables = [list(range((c + n) // 16 + 1)) for n, c in zip(lens, ctxs)]  # GDN ignores KV blocks
+    return contiguous_batch(toks, ctxs, tables, slots, block_size=16)
+
+
+def _round(ops, x):
+    """Host values rounded through the device dtype (so CPU and GPU see the same inputs)."""
+    return ops.to_numpy(ops.asarray(x)).astype(np.float32)
+
+
+def _garbage_fresh_rows(state, batch, rng):
+    for i in range(batch.num_seqs):
+        if batch.context_lens[i] == 0:
+            state[batch.state_slots[i]] = rng.standard_normal(state.shape[1:]) * 100
+
+
+# -- causal conv1d ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dt", ["bf16", "f32"])
+@pytest.mark.parametrize("state_f32", [False, True])
+@pytest.mark.parametrize("case", ["prefill", "decode", "strided"])
+def test_causal_conv1d(cuda_ops, cpu, dt, state_f32, case):
+    import cupy as cp
+    ops = cuda_ops[dt]
+    if dt == "f32" and not state_f32:
+        pytest.skip("fp32 activations keep an fp32 state")
+    rng = np.random.default_rng(0)
+    C, K = 200, 4
+    lens, ctxs = (LENS, CTXS) if case != "decode" else ([1] * 7, [5, 0, 1, 2, 9, 3, 0])
+    slots = list(range(len(lens) * 2 - 1, -1, -2))
+    batch = _batch(lens, ctxs, slots)
+    T = batch.num_tokens
+    x = _round(ops, rng.standard_normal((T, C)))
+    w = _round(ops, rng.standard_normal((C, K)) * 0.5)
+    st_dtype = np.float32 if state_f32 else ops.dtype
+    state0 = rng.standard_normal((2 * len(lens), C, K - 1)).astype(np.float32)
+    _garbage_fresh_rows(state0, batch, rng)
+    state0 = ops.to_numpy(ops.asarray(state0, dtype=st_dtype)).astype(np.float32)
+
+    ref_state = state0.copy()
+    ref = cpu.causal_conv1d(x, w, ref_state, batch)
+
+    d_state = ops.asarray(state0, dtype=st_dtype)
+    if case == "strided":  # x as a column slice of a wider projection
+        wide = ops.asarray(np.concatenate([x, rng.standard_normal((T, 24)).astype(np.float32)], 1))
+        d_x = wide[:, :C]
+    else:
+        d_x = ops.asarray(x)
+    out = ops.causal_conv1d(d_x, ops.asarray(w), d_state, ops.upload_batch(batch))
+    cp.cuda.Device().synchronize()
+    tol = 1e-2 if dt == "bf16" else 1e-5
+    assert _rel(ops.to_numpy(out), ref) < tol
+    got_state = ops.to_numpy(d_state).astype(np.float32)
+    for i in range(batch.num_seqs):
+        s = batch.state_slots[i]
+        assert _rel(got_state[s], ref_state[s]) < (1e-2 if st_dtype != np.float32 else 1e-6), i
+    untouched = sorted(set(range(state0.shape[0])) - set(slots))
+    np.testing.assert_array_equal(got_state[untouched], state0[untouched])
+
+
+# -- gates and gated norm ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("dt", ["bf16", "f32"])
+def test_gdn_gates(cuda_ops, cpu, dt):
+    ops = cuda_ops[dt]
+    rng = np.random.default_rng(1)
+    T, Hv = 333, 48
+    a = _round(ops, rng.standard_normal((T, Hv)) * 4)
+    b = _round(ops, rng.standard_normal((T, Hv)) * 4)
+    a[0, 0] = 30.0  # softplus threshold branch
+    A_log = np.log(rng.uniform(0.01, 16, Hv)).astype(np.float32)
+    dt_bias = rng.standard_normal(Hv).astype(np.float32)
+    g_ref, b_ref = cpu.gdn_gates(a, b, A_log, dt_bias)
+    g, beta = ops.gdn_gates(ops.asarray(a), ops.asarray(b), ops.asarray(A_log, np.float32),
+                            ops.asarray(dt_bias, np.float32))
+    assert g.dtype == np.float32 and beta.dtype == np.float32
+    assert _rel(ops.to_numpy(g), g_ref) < 1e-5
+    assert _rel(ops.to_numpy(beta), b_ref) < 1e-5
+    # bf16 weights too (converted once inside)
+    g2, _ = ops.gdn_gates(ops.asarray(a), ops.asarray(b), ops.asarray(A_log), ops.asarray(dt_bias))
+    assert _rel(ops.to_numpy(g2), g_ref) < 2e-2
+
+
+@pytest.mark.parametrize("dt", ["bf16", "f32"])
+@pytest.mark.parametrize("D", [16, 128, 96])
+def test_gated_rms_norm(cuda_ops, cpu, dt, D):
+    ops = cuda_ops[dt]
+    rng = np.random.default_rng(2)
+    x = _round(ops, rng.standard_normal((77, 5, D)))
+    z = _round(ops, rng.standard_normal((77, 5, D)))
+    w = _round(ops, rng.standard_normal(D))
+    ref = cpu.gated_rms_norm(x, z, w, 1e-6)
+    out = ops.gated_rms_norm(ops.asarray(x), ops.asarray(z), ops.asarray(w), 1e-6)
+    assert out.shape == x.shape
+    assert _rel(ops.to_numpy(out), ref) < (1e-2 if dt == "bf16" else 1e-5)
+
+
+# -- gated delta rule -------------------------------------------------------------------------
+
+def _gdn_inputs(ops, rng, T, Hk, Hv, Dk, Dv):
+    q = _round(ops, rng.standard_normal((T, Hk, Dk)))
+    k = _round(ops, rng.standard_normal((T, Hk, Dk)))
+    v = _round(ops, rng.standard_normal((T, Hv, Dv)))
+    g = (-np.exp(rng.uniform(-3, 1, (T, Hv)))).astype(np.float32)   # includes strong decay
+    g[::17] = -40.0                                                 # exp(-40) underflows chunkwise
+    beta = rng.uniform(0, 1, (T, Hv)).astype(np.float32)
+    return q, k, v, g, beta
+
+
+def _run_gdn(ops, cpu, dims, lens, ctxs, seed, strided=False, tol_o=1e-2, tol_s=2e-3):
+    import cupy as cp
+    Hk, Hv, Dk, Dv = dims
+    rng = np.random.default_rng(seed)
+    slots = [2 * i + 1 for i in range(len(lens))]
+    batch = _batch(lens, ctxs, slots)
+    T = batch.num_tokens
+    q, k, v, g, beta = _gdn_inputs(ops, rng, T, Hk, Hv, Dk, Dv)
+    state0 = (rng.standard_normal((2 * len(lens) + 1, Hv, Dk, Dv)) * 0.3).astype(np.float32)
+    _garbage_fresh_rows(state0, batch, rng)
+    ref_state = state0.copy()
+    ref = cpu.gated_delta_rule(q, k, v, g, beta, ref_state, batch)
+
+    d_state = cp.asarray(state0)
+    if strided:  # q, k, v as slices of one [T, 2*Hk*Dk + Hv*Dv] projection (the model's layout)
+        mixed = ops.asarray(np.concatenate([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], 1))
+        kd = Hk * Dk
+        dq = mixed[:, :kd].reshape(T, Hk, Dk)
+        dk = mixed[:, kd:2 * kd].reshape(T, Hk, Dk)
+        dv = mixed[:, 2 * kd:].reshape(T, Hv, Dv)
+    else:
+        dq, dk, dv = ops.asarray(q), ops.asarray(k), ops.asarray(v)
+    out = ops.gated_delta_rule(dq, dk, dv, cp.asarray(g), cp.asarray(beta), d_state,
+                               ops.upload_batch(batch))
+    cp.cuda.Device().synchronize()
+    got = ops.to_numpy(out).astype(np.float32)
+    assert got.shape == (T, Hv, Dv)
+    for i in range(batch.num_seqs):
+        rows = slice(batch.query_start_loc[i], batch.query_start_loc[i + 1])
+        assert _rel(got[rows], ref[rows]) < tol_o, f"seq {i} len {lens[i]} ctx {ctxs[i]}"
+    gs = d_state.get()
+    for i in range(batch.num_seqs):
+        s = slots[i]
+        assert _rel(gs[s], ref_state[s]) < tol_s, f"state of seq {i}"
+    np.testing.assert_array_equal(gs[0::2], state0[0::2])  # rows nobody owns stay untouched
+
+
+DIMS = [(2, 4, 128, 128), (1, 3, 64, 64), (2, 2, 32, 32), (1, 2, 16, 16), (2, 4, 64, 128),
+        (2, 4, 128, 64)]
+
+
+@pytest.mark.parametrize("dims", DIMS)
+def test_gated_delta_rule_prefill_bf16(cuda_ops, cpu, dims):
+    _run_gdn(cuda_ops["bf16"], cpu, dims, LENS, CTXS, seed=3)
+
+
+@pytest.mark.parametrize("dims", [(2, 4, 128, 128), (1, 2, 16, 16)])
+def test_gated_delta_rule_prefill_f32(cuda_ops, cpu, dims):
+    _run_gdn(cuda_ops["f32"], cpu, dims, LENS, CTXS, seed=4, tol_o=1e-4, tol_s=1e-4)
+
+
+def test_gated_delta_rule_strided_qkv(cuda_ops, cpu):
+    _run_gdn(cuda_ops["bf16"], cpu, (2, 4, 128, 128), [65, 3], [0, 9], seed=5, strided=True)
+
+
+@pytest.mark.parametrize("dims", DIMS)
+@pytest.mark.parametrize("dt", ["bf16", "f32"])
+def test_gated_delta_rule_decode(cuda_ops, cpu, dims, dt):
+    # every sequence adds one token: the recurrent kernel; one of them starts fresh
+    tol = (1e-2, 1e-3) if dt == "bf16" else (1e-5, 1e-5)
+    _run_gdn(cuda_ops[dt], cpu, dims, [1] * 6, [4, 0, 1, 30, 2, 7], seed=6,
+             tol_o=tol[0], tol_s=tol[1])
+
+
+def test_gated_delta_rule_decode_steps_match_prefill(cuda_ops):
+    """Prefill 100 tokens in one go == prefill 37 then 63 decode steps (fp32)."""
+    import cupy as cp
+    from metrale.backends import cuda_gdn
+    ops = cuda_ops["f32"]
+    rng = np.random.default_rng(7)
+    Hk, Hv, Dk, Dv = 2, 4, 128, 128
+    T = 100
+    q, k, v, g, beta = _gdn_inputs(ops, rng, T, Hk, Hv, Dk, Dv)
+    s1 = cp.zeros((1, Hv, Dk, Dv), cp.float32)
+    o1 = ops.gated_delta_rule(*map(cp.asarray, (q, k, v, g, beta)), s1,
+                              ops.upload_batch(_batch([T], [0], [0])))
+    s2 = cp.zeros((1, Hv, Dk, Dv), cp.float32)
+    parts = [ops.gated_delta_rule(*(cp.asarray(a[:37]) for a in (q, k, v, g, beta)), s2,
+                                  ops.upload_batch(_batch([37], [0], [0])))]
+    for t in range(37, T):
+        parts.append(ops.gated_delta_rule(*(cp.asarray(a[t:t + 1]) for a in (q, k, v, g, beta)),
+                                          s2, ops.upload_batch(_batch([1], [t], [0]))))
+    o2 = cp.concatenate(parts)
+    assert _rel(o2.get(), o1.get()) < 1e-4
+    assert _rel(s2.get(), s1.get()) < 1e-4
+    # the recurrent kernel over a whole multi-token batch agrees with the chunked one
+    s3 = cp.zeros((1, Hv, Dk, Dv), cp.float32)
+    o3 = cuda_gdn.recurrent_gated_delta_rule(ops, *map(cp.asarray, (q, k, v, g, beta)), s3,
+                                             ops.upload_batch(_batch([T], [0], [0])))
+    assert _rel(o3.get(), o1.get()) < 1e-4
+    assert _rel(s3.get(), s1.get()) < 1e-4
+
+
+@pytest.mark.parametrize("T,with_state", [(200, True), (64, False), (1, True), (130, False)])
+def test_gated_delta_rule_vs_hf_torch(cuda_ops, T, with_state):
+    """Against HF's torch_chunk_gated_delta_rule run by torch on the GPU (k heads repeated)."""
+    torch = pytest.importorskip("torch")
+    hf = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+    import cupy as cp
+    ops = cuda_ops["bf16"]
+    rng = np.random.default_rng(8)
+    Hk, Hv, Dk, Dv = 16, 48, 128, 128  # Qwen3.5-27B GDN heads
+    q, k, v, g, beta = _gdn_inputs(ops, rng, T, Hk, Hv, Dk, Dv)
+    state0 = (rng.standard_normal((1, Hv, Dk, Dv)) * 0.3).astype(np.float32)
+    dev = torch.device("cuda")
+    tq, tk, tv = (torch.tensor(a, device=dev).to(torch.bfloat16)[None] for a in (q, k, v))
+    rep = Hv // Hk
+    tq, tk = tq.repeat_interleave(rep, dim=2), tk.repeat_interleave(rep, dim=2)
+    ref_o, ref_s = hf.torch_chunk_gated_delta_rule(
+        tq, tk, tv, g=torch.tensor(g, device=dev)[None], beta=torch.tensor(beta, device=dev)[None],
+        initial_state=torch.tensor(state0, device=dev) if with_state else None,
+        output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ref_o = ref_o[0].float().cpu().numpy()
+    ref_s = ref_s[0].float().cpu().numpy()
+    d_state = cp.asarray(state0)
+    out = ops.gated_delta_rule(ops.asarray(q), ops.asarray(k), ops.asarray(v), cp.asarray(g),
+                               cp.asarray(beta), d_state,
+                               ops.upload_batch(_batch([T], [5 if with_state else 0], [0])))
+    assert _rel(ops.to_numpy(out), ref_o) < 1e-2
+    assert _rel(d_state.get()[0], ref_s) < 2e-3
+
+
+def test_gated_delta_rule_empty_sequence(cuda_ops, cpu):
+    """A sequence with no new tokens in the batch leaves its state alone."""
+    _run_gdn(cuda_ops["bf16"], cpu, (2, 4, 64, 64), [5, 0, 70], [0, 3, 2], seed=9)
+
+
+# -- MoE ------------------------------------------------------------------------------------
+
+def _route_margin_ok(x, router_w, top_k, eps=3e-2):
+    logits = x @ router_w.T
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    s = -np.sort(-p, axis=1)
+    if top_k >= p.shape[1]:
+        return np.ones(len(x), bool)
+    return (s[:, top_k - 1] - s[:, top_k]) > eps * s[:, top_k - 1]
+
+
+@pytest.mark.parametrize("dt", ["bf16", "f32"])
+@pytest.mark.parametrize("T,E,top_k,renorm", [(1, 16, 4, True), (8, 64, 8, True),
+                                               (100, 16, 2, False), (300, 128, 8, True),
+                                               (5, 8, 8, False)])
+def test_moe(cuda_ops, cpu, dt, T, E, top_k, renorm):
+    ops = cuda_ops[dt]
+    rng = np.random.default_rng(10)
+    H, I = 136, 72   # not multiples of the 64-wide tiles
+    x = _round(ops, rng.standard_normal((T, H)))
+    router_w = _round(ops, rng.standard_normal((E, H)) * 0.3)
+    gate_up = _round(ops, rng.standard_normal((E, 2 * I, H)) / np.sqrt(H))
+    down = _round(ops, rng.standard_normal((E, H, I)) / np.sqrt(I))
+    ref = cpu.moe(x, router_w, gate_up, down, top_k, renorm)
+    out = ops.moe(ops.asarray(x), ops.asarray(router_w), ops.asarray(gate_up), ops.asarray(down),
+                  top_k, renorm)
+    got = ops.to_numpy(out).astype(np.float32)
+    assert got.shape == (T, H)
+    ok = _route_margin_ok(x, router_w, top_k) if dt == "bf16" else np.ones(T, bool)
+    assert ok.sum() >= 1
+    assert _rel(got[ok], ref[ok]) < (1.5e-2 if dt == "bf16" else 1e-4)
+
+
+def test_moe_deterministic(cuda_ops):
+    ops = cuda_ops["bf16"]
+    rng = np.random.default_rng(11)
+    T, H, I, E = 257, 128, 64, 32
+    args = [ops.asarray(a) for a in (rng.standard_normal((T, H)), rng.standard_normal((E, H)),
+                                     rng.standard_normal((E, 2 * I, H)) * 0.1,
+                                     rng.standard_normal((E, H, I)) * 0.1)]
+    a = ops.to_numpy(ops.moe(*args, 4, True))
+    b = ops.to_numpy(ops.moe(*args, 4, True))
+    np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
+# -- bandwidth report (not a timed test: prints figures for the log) --------------------------
+
+def test_report_decode_bandwidth(cuda_ops):
+    import cupy as cp
+    ops = cuda_ops["bf16"]
+    B, Hk, Hv, D = 64, 16, 48, 128
+    rng = np.random.default_rng(12)
+    q, k, v, g, beta = _gdn_inputs(ops, rng, B, Hk, Hv, D, D)
+    state = cp.zeros((B, Hv, D, D), cp.float32)
+    batch = ops.upload_batch(_batch([1] * B, [3] * B, list(range(B))))
+    args = [ops.asarray(q), ops.asarray(k), ops.asarray(v), cp.asarray(g), cp.asarray(beta)]
+    ops.gated_delta_rule(*args, state, batch)
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record()
+    n = 20
+    for _ in range(n):
+        ops.gated_delta_rule(*args, state, batch)
+    end.record()
+    end.synchronize()
+    ms = cp.cuda.get_elapsed_time(start, end) / n
+    gbps = B * Hv * D * D * 4 * 2 / (ms * 1e-3) / 1e9
+    print(f"\n[gdn decode] B={B} Hv={Hv} D={D}: {ms * 1e3:.1f} us/call (host launch incl.), "
+          f"state traffic {gbps:.0f} GB/s")
+    assert np.isfinite(ms)
+    # chunked prefill: one 4096-token sequence
+    T = 4096
+    q, k, v, g, beta = _gdn_inputs(ops, rng, T, Hk, Hv, D, D)
+    args = [ops.asarray(q), ops.asarray(k), ops.asarray(v), cp.asarray(g), cp.asarray(beta)]
+    batch = ops.upload_batch(_batch([T], [0], [0]))
+    ops.gated_delta_rule(*args, state, batch)
+    start.record()
+    for _ in range(3):
+        ops.gated_delta_rule(*args, state, batch)
+    end.record()
+    end.synchronize()
+    ms = cp.cuda.get_elapsed_time(start, end) / 3
+    flops = T * Hv * 160e3
+    print(f"[gdn prefill] T={T} Hv={Hv} D={D}: {ms:.2f} ms, ~{flops / (ms * 1e-3) / 1e12:.1f} TFLOP/s")
