@@ -23,7 +23,12 @@ def make_ops(config):
                                "pip install -e '.[cuda]')")
         from metrale.backends.cuda import CudaOps
 
-        return CudaOps(dtype=config.dtype, profile=config.profile)
+        dtype = {"auto": "bfloat16", "bf16": "bfloat16"}.get(config.dtype, config.dtype)
+        if dtype == "bfloat16":
+            import ml_dtypes
+
+            dtype = ml_dtypes.bfloat16
+        return CudaOps(dtype=dtype)
     from metrale.backends.cpu import CpuOps
 
     return CpuOps()

@@ -37,7 +37,10 @@ class Weights:
         return self.ckpt.has(self.prefix + name)
 
     def host(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        return np.asarray(self.ckpt.tensor(self.prefix + name, shape))
+        """The stored tensor as it is: a numpy array (memory-mapped), or a device array for
+        checkpoints synthesised on the GPU (benchmarks); numpy functions applied to it below
+        dispatch to its own library (NEP 18)."""
+        return self.ckpt.tensor(self.prefix + name, shape)
 
     def get(self, name: str, shape: tuple[int, ...], dtype=None):
         return self.ops.asarray(self.host(name, shape), dtype)

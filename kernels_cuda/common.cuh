@@ -1,0 +1,72 @@
+// Shared helpers for Metrale's CUDA kernels (included by every .cu in kernels_cuda/).
+//
+// Storage conventions (see kernels_cuda/README.md):
+//   * activations, weights and the KV cache are bf16 (__nv_bfloat16) unless a kernel says fp32;
+//     on the Python side they are cupy arrays of dtype ml_dtypes.bfloat16 (2 bytes, same bits).
+//   * every reduction accumulates in fp32; results are rounded to the storage type once.
+//   * index arrays (ids, positions, slot maps, block tables, query_start_loc, seq_lens) are int32.
+//   * every kernel is `extern "C"` with an explicit type suffix (_bf16 / _f32) so the cubin's
+//     symbol names are stable whether it is built by nvcc or NVRTC.
+//   * no fast-math: expf / rsqrtf / sincosf are the accurate versions.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#define MT_INF __int_as_float(0x7f800000)
+
+namespace mt {
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
+
+// 16 bytes of T: 8 bf16 or 4 fp32.
+template <typename T> struct Vec16 {
+    static constexpr int N = 16 / sizeof(T);
+    union { uint4 u; T v[N]; };
+};
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over a whole block (blockDim.x a multiple of 32, <= 1024). `scratch` holds >= 32 floats.
+// Every thread gets the result.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();  // scratch may still be read by a previous call
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    const int nwarps = blockDim.x >> 5;
+    v = lane < nwarps ? scratch[lane] : 0.f;
+    return warp_sum(v);
+}
+
+// --- cp.async (sm_80+): 16-byte global -> shared copies, zero-filled when !valid ------------
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    const int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
+
+__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
+__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+
+}  // namespace mt

@@ -1,0 +1,317 @@
+// Elementwise, norm, rotary and KV-write kernels of the CUDA backend.
+//
+// Reference: metrale/backends/cpu.py (the op of the same name, semantics in backends/base.py).
+// Every kernel exists as <name>_bf16 and <name>_f32 (T = __nv_bfloat16 or float). Strides are
+// in elements; the last dimension of every tensor is contiguous (the Python side copies
+// anything else). "vector" paths move 16 bytes per thread and need every row start and stride
+// aligned to 16 bytes: the host checks and picks the scalar kernel otherwise.
+//
+// embedding        ids int32 [T], table T[V, H] -> out T[T, H]. Ids outside [0, V) give zeros.
+//                  Moves T*H*2*sizeof(T) bytes.
+// rms_norm         x T[R, H] (row stride xs), residual T[R, H] or null (stride rs), w T[H]
+//                  -> out T[R, H], res_out T[R, H] (when residual is given: r = x + residual,
+//                  rounded to T, written to res_out; the norm is taken of the rounded r, as HF
+//                  does). out = r * rsqrt(mean(r^2) + eps) * (offset + w), fp32 inside.
+//                  One block per row; the row stays in registers (16-byte loads). Moves
+//                  (2 or 4) * R*H*sizeof(T) bytes.
+// head_norm_rope   x T[T, Hh, D] (strides xs_t, xs_h) -> y T[T, Hh, D] (strides ys_t, ys_h;
+//                  may alias x). Optional head RMSNorm (w T[D] or null) then optional NeoX
+//                  rotate-half rotary on the first `rot` dims (positions int32 [T] or null,
+//                  inv_freq fp32 [rot/2]). One warp per head vector, fp32 inside, D <= 512.
+// silu_mul         x T[R, 2I] ([gate | up], row stride xs) -> y T[R, I]: silu(gate) * up.
+// sigmoid_mul      x, gate T[A, B, C] (strides (xa, xb), (ga, gb, gc); gc = 0 broadcasts one gate
+//                  per row, e.g. a shared-expert gate [T, 1]) -> y T[A, B, C] contiguous:
+//                  x * sigmoid(gate).
+// write_kv         k, v T[T, Hk, D] (strides) -> k_cache, v_cache T[slots, Hk, D] at row
+//                  slot_mapping[t] (int32; negative = padding token, skipped). Moves
+//                  4 * T*Hk*D*sizeof(T) bytes.
+// bias_add         y T[R, N] += b T[N] (in place, after a cuBLAS GEMM).
+#include "common.cuh"
+
+using mt::from_f;
+using mt::to_f;
+using mt::Vec16;
+
+// ---------------------------------------------------------------------------------------------
+template <typename T>
+__device__ void embedding_impl(const int* __restrict__ ids, const T* __restrict__ table,
+                               T* __restrict__ out, int H, long long V, int vec) {
+    const int t = blockIdx.x;
+    const long long id = ids[t];
+    const bool ok = id >= 0 && id < V;
+    T* dst = out + (long long)t * H;
+    const T* src = table + (ok ? id : 0) * (long long)H;
+    if (vec) {
+        constexpr int N = Vec16<T>::N;
+        const uint4* s = reinterpret_cast<const uint4*>(src);
+        uint4* d = reinterpret_cast<uint4*>(dst);
+        for (int i = threadIdx.x; i < H / N; i += blockDim.x)
+            d[i] = ok ? s[i] : make_uint4(0, 0, 0, 0);
+    } else {
+        for (int i = threadIdx.x; i < H; i += blockDim.x) dst[i] = ok ? src[i] : from_f<T>(0.f);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Vector path: each thread keeps up to MAXV 16-byte vectors of its row in registers.
+template <typename T, int MAXV>
+__device__ void rms_norm_vec_impl(const T* __restrict__ x, long long xs, const T* __restrict__ res,
+                                  long long rs, const T* __restrict__ w, T* __restrict__ out,
+                                  T* __restrict__ res_out, int H, float eps, float offset) {
+    constexpr int N = Vec16<T>::N;
+    __shared__ float scratch[32];
+    const long long row = blockIdx.x;
+    const int nvec = H / N;
+    const uint4* xr = reinterpret_cast<const uint4*>(x + row * xs);
+    const uint4* rr = res ? reinterpret_cast<const uint4*>(res + row * rs) : nullptr;
+    float vals[MAXV][N];
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < MAXV; ++k) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i < nvec) {
+            Vec16<T> a;
+            a.u = xr[i];
+            if (rr) {
+                Vec16<T> b, r;
+                b.u = rr[i];
+#pragma unroll
+                for (int e = 0; e < N; ++e) r.v[e] = from_f<T>(to_f(a.v[e]) + to_f(b.v[e]));
+                reinterpret_cast<uint4*>(res_out + row * H)[i] = r.u;
+                a.u = r.u;
+            }
+#pragma unroll
+            for (int e = 0; e < N; ++e) {
+                vals[k][e] = to_f(a.v[e]);
+                ss += vals[k][e] * vals[k][e];
+            }
+        }
+    }
+    ss = mt::block_sum(ss, scratch);
+    const float inv = rsqrtf(ss / (float)H + eps);
+    const uint4* wv = reinterpret_cast<const uint4*>(w);
+    uint4* o = reinterpret_cast<uint4*>(out + row * H);
+#pragma unroll
+    for (int k = 0; k < MAXV; ++k) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i < nvec) {
+            Vec16<T> wk, y;
+            wk.u = wv[i];
+#pragma unroll
+            for (int e = 0; e < N; ++e) y.v[e] = from_f<T>(vals[k][e] * inv * (offset + to_f(wk.v[e])));
+            o[i] = y.u;
+        }
+    }
+}
+
+// Scalar path (any H / alignment): two passes, the second re-reads the (rounded) row.
+template <typename T>
+__device__ void rms_norm_scalar_impl(const T* __restrict__ x, long long xs, const T* res, long long rs,
+                                     const T* __restrict__ w, T* __restrict__ out, T* res_out, int H,
+                                     float eps, float offset) {
+    __shared__ float scratch[32];
+    const long long row = blockIdx.x;
+    const T* xr = x + row * xs;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < H; i += blockDim.x) {
+        float v = to_f(xr[i]);
+        if (res) {
+            const T r = from_f<T>(v + to_f(res[row * rs + i]));
+            res_out[row * H + i] = r;
+            v = to_f(r);
+        }
+        ss += v * v;
+    }
+    ss = mt::block_sum(ss, scratch);
+    const float inv = rsqrtf(ss / (float)H + eps);
+    for (int i = threadIdx.x; i < H; i += blockDim.x) {
+        // each thread re-reads only elements it wrote itself: no barrier needed
+        const float v = res ? to_f(res_out[row * H + i]) : to_f(xr[i]);
+        out[row * H + i] = from_f<T>(v * inv * (offset + to_f(w[i])));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+template <typename T>
+__device__ void head_norm_rope_impl(const T* x, long long xs_t, long long xs_h, T* y, long long ys_t,
+                                    long long ys_h, int ntok, int nheads, int D,
+                                    const T* __restrict__ w, float eps, float offset,
+                                    const int* __restrict__ positions,
+                                    const float* __restrict__ inv_freq, int rot) {
+    extern __shared__ float hbuf[];  // [warps][D]
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const long long item = (long long)blockIdx.x * (blockDim.x >> 5) + warp;
+    if (item >= (long long)ntok * nheads) return;  // whole warp leaves together
+    const long long t = item / nheads;
+    const int h = (int)(item % nheads);
+    float* buf = hbuf + warp * D;
+    const T* xp = x + t * xs_t + h * xs_h;
+    T* yp = y + t * ys_t + h * ys_h;
+    float ss = 0.f;
+    for (int i = lane; i < D; i += 32) {
+        const float v = to_f(xp[i]);
+        buf[i] = v;
+        ss += v * v;
+    }
+    if (w) {
+        ss = mt::warp_sum(ss);
+        const float inv = rsqrtf(ss / (float)D + eps);
+        for (int i = lane; i < D; i += 32) {
+            float v = buf[i] * inv * (offset + to_f(w[i]));
+            if (positions) v = to_f(from_f<T>(v));  // HF rounds the normed head before rotary
+            buf[i] = v;
+        }
+    }
+    __syncwarp();
+    const int half = rot >> 1;
+    const float pos = positions ? (float)positions[t] : 0.f;
+    for (int i = lane; i < D; i += 32) {
+        float v = buf[i];
+        if (positions && i < rot) {
+            const int j = i < half ? i : i - half;
+            float s, c;
+            sincosf(pos * inv_freq[j], &s, &c);
+            v = i < half ? buf[i] * c - buf[i + half] * s : buf[i] * c + buf[j] * s;
+        }
+        yp[i] = from_f<T>(v);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+template <typename T>
+__device__ void silu_mul_impl(const T* __restrict__ x, long long xs, T* __restrict__ y, long long rows,
+                              int I, int vec) {
+    constexpr int N = Vec16<T>::N;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    if (vec) {
+        const int nv = I / N;
+        for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < rows * nv; idx += stride) {
+            const long long r = idx / nv;
+            const int c = (int)(idx % nv);
+            Vec16<T> g, u, o;
+            g.u = reinterpret_cast<const uint4*>(x + r * xs)[c];
+            u.u = reinterpret_cast<const uint4*>(x + r * xs + I)[c];
+#pragma unroll
+            for (int e = 0; e < N; ++e) o.v[e] = from_f<T>(mt::silu(to_f(g.v[e])) * to_f(u.v[e]));
+            reinterpret_cast<uint4*>(y + r * I)[c] = o.u;
+        }
+    } else {
+        for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < rows * I; idx += stride) {
+            const long long r = idx / I;
+            const int c = (int)(idx % I);
+            y[r * I + c] = from_f<T>(mt::silu(to_f(x[r * xs + c])) * to_f(x[r * xs + I + c]));
+        }
+    }
+}
+
+template <typename T>
+__device__ void sigmoid_mul_impl(const T* __restrict__ x, long long xa, long long xb,
+                                 const T* __restrict__ g, long long ga, long long gb, long long gc,
+                                 T* __restrict__ y, long long A, int B, int C, int vec) {
+    constexpr int N = Vec16<T>::N;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const int nc = vec ? C / N : C;
+    const long long total = A * B * nc;
+    for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += stride) {
+        const int c = (int)(idx % nc);
+        const long long ab = idx / nc;
+        const int b = (int)(ab % B);
+        const long long a = ab / B;
+        const T* xp = x + a * xa + b * xb;
+        const T* gp = g + a * ga + b * gb;
+        T* yp = y + ab * C;
+        if (vec) {
+            Vec16<T> xv, gv, o;
+            xv.u = reinterpret_cast<const uint4*>(xp)[c];
+            gv.u = reinterpret_cast<const uint4*>(gp)[c];
+#pragma unroll
+            for (int e = 0; e < N; ++e) o.v[e] = from_f<T>(to_f(xv.v[e]) * mt::sigmoid(to_f(gv.v[e])));
+            reinterpret_cast<uint4*>(yp)[c] = o.u;
+        } else {
+            yp[c] = from_f<T>(to_f(xp[c]) * mt::sigmoid(to_f(gp[c * gc])));
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// One thread per 16-byte chunk (vec) or element of k and v. D * sizeof(T) % 16 == 0 for vec.
+template <typename T>
+__device__ void write_kv_impl(const T* __restrict__ k, long long ks_t, long long ks_h,
+                              const T* __restrict__ v, long long vs_t, long long vs_h,
+                              T* __restrict__ k_cache, T* __restrict__ v_cache,
+                              const int* __restrict__ slot_mapping, long long ntok, int Hk, int D, int vec) {
+    constexpr int N = Vec16<T>::N;
+    const int nc = vec ? D / N : D;
+    const long long total = ntok * Hk * nc;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += stride) {
+        const int c = (int)(idx % nc);
+        const long long th = idx / nc;
+        const int h = (int)(th % Hk);
+        const long long t = th / Hk;
+        const long long slot = slot_mapping[t];
+        if (slot < 0) continue;
+        const long long dst = (slot * Hk + h) * D;
+        if (vec) {
+            reinterpret_cast<uint4*>(k_cache + dst)[c] = reinterpret_cast<const uint4*>(k + t * ks_t + h * ks_h)[c];
+            reinterpret_cast<uint4*>(v_cache + dst)[c] = reinterpret_cast<const uint4*>(v + t * vs_t + h * vs_h)[c];
+        } else {
+            k_cache[dst + c] = k[t * ks_t + h * ks_h + c];
+            v_cache[dst + c] = v[t * vs_t + h * vs_h + c];
+        }
+    }
+}
+
+template <typename T>
+__device__ void bias_add_impl(T* __restrict__ y, const T* __restrict__ b, long long rows, int n) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < rows * n; idx += stride)
+        y[idx] = from_f<T>(to_f(y[idx]) + to_f(b[idx % n]));
+}
+
+// ---------------------------------------------------------------------------------------------
+// extern "C" entry points, one per storage type.
+#define MT_ELEMENTWISE(SUF, T)                                                                        \
+    extern "C" __global__ void embedding_##SUF(const int* ids, const T* table, T* out, int H,          \
+                                               long long V, int vec) {                                 \
+        embedding_impl<T>(ids, table, out, H, V, vec);                                                 \
+    }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(1024) rms_norm_vec_##SUF(                            \
+        const T* x, long long xs, const T* res, long long rs, const T* w, T* out, T* res_out, int H,   \
+        float eps, float offset) {                                                                     \
+        rms_norm_vec_impl<T, 4>(x, xs, res, rs, w, out, res_out, H, eps, offset);                      \
+    }                                                                                                  \
+    extern "C" __global__ void rms_norm_scalar_##SUF(const T* x, long long xs, const T* res,           \
+                                                     long long rs, const T* w, T* out, T* res_out,     \
+                                                     int H, float eps, float offset) {                 \
+        rms_norm_scalar_impl<T>(x, xs, res, rs, w, out, res_out, H, eps, offset);                      \
+    }                                                                                                  \
+    extern "C" __global__ void head_norm_rope_##SUF(                                                  \
+        const T* x, long long xs_t, long long xs_h, T* y, long long ys_t, long long ys_h, int ntok,    \
+        int nheads, int D, const T* w, float eps, float offset, const int* positions,                  \
+        const float* inv_freq, int rot) {                                                              \
+        head_norm_rope_impl<T>(x, xs_t, xs_h, y, ys_t, ys_h, ntok, nheads, D, w, eps, offset,          \
+                               positions, inv_freq, rot);                                              \
+    }                                                                                                  \
+    extern "C" __global__ void silu_mul_##SUF(const T* x, long long xs, T* y, long long rows, int I,   \
+                                              int vec) {                                               \
+        silu_mul_impl<T>(x, xs, y, rows, I, vec);                                                      \
+    }                                                                                                  \
+    extern "C" __global__ void sigmoid_mul_##SUF(const T* x, long long xa, long long xb, const T* g,   \
+                                                 long long ga, long long gb, long long gc, T* y,       \
+                                                 long long A, int B, int C, int vec) {                 \
+        sigmoid_mul_impl<T>(x, xa, xb, g, ga, gb, gc, y, A, B, C, vec);                                \
+    }                                                                                                  \
+    extern "C" __global__ void write_kv_##SUF(const T* k, long long ks_t, long long ks_h, const T* v,  \
+                                              long long vs_t, long long vs_h, T* k_cache, T* v_cache,  \
+                                              const int* slot_mapping, long long ntok, int Hk, int D,  \
+                                              int vec) {                                               \
+        write_kv_impl<T>(k, ks_t, ks_h, v, vs_t, vs_h, k_cache, v_cache, slot_mapping, ntok, Hk, D,    \
+                         vec);                                                                         \
+    }                                                                                                  \
+    extern "C" __global__ void bias_add_##SUF(T* y, const T* b, long long rows, int n) {               \
+        bias_add_impl<T>(y, b, rows, n);                                                               \
+    }
+
+MT_ELEMENTWISE(bf16, __nv_bfloat16)
+MT_ELEMENTWISE(f32, float)

@@ -1,0 +1,604 @@
+"""The CUDA backend: cupy arrays + our kernels (kernels_cuda/*.cu) + cuBLAS through ctypes.
+
+Storage is bf16 as cupy arrays of dtype `ml_dtypes.bfloat16` (CuPy 14 accepts that dtype; the
+kernels see the same 2-byte bits as `__nv_bfloat16`). fp32 inputs run the `_f32` twin of each
+elementwise kernel; attention is bf16 only. Every op is graph-capturable: no host syncs, no
+`.get()`, outputs from `cupy.empty` (the runner captures with a private memory pool), cuBLAS
+through our own handle (metrale.backends.cublas). The exception is attention over a batch that
+is not pure decode (prefill / mixed): it builds its work list from the host copy of the batch
+that `upload_batch` keeps, so prefill steps are not captured.
+
+Kernels are compiled once per (source, headers, arch, nvcc version, options) with nvcc into
+~/.cache/metrale/kernels/<name>-<hash>-sm<arch>.cubin (override: METRALE_KERNEL_CACHE), for the
+device's own architecture; without nvcc (or when nvcc does not know the arch) CuPy's NVRTC
+builds it instead. GDN and MoE kernels live in metrale.backends.cuda_gdn (another owner); they
+load their modules through `CudaOps.module(name)` / `CudaOps.kernel(module, fn)`.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from metrale.backends import cublas as _cublas
+from metrale.forward import ForwardBatch
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.dtype(np.float32)
+I32 = np.dtype(np.int32)
+
+KERNEL_DIR = Path(os.environ.get("METRALE_KERNELS_DIR", Path(__file__).resolve().parents[2] / "kernels_cuda"))
+CACHE_DIR = Path(os.environ.get("METRALE_KERNEL_CACHE", Path.home() / ".cache" / "metrale" / "kernels"))
+NVCC_OPTIONS = ("-std=c++17", "-O3", "-lineinfo")   # no --use_fast_math: accuracy-sensitive kernels
+
+# attention tiling, must match kernels_cuda/attention.cu (MT_ATTN instantiations)
+ATTN_BK = {64: 64, 128: 64, 256: 32}
+DECODE_THREADS, PREFILL_THREADS, PREFILL_ROWS, MAX_G_PER_CTA = 128, 256, 64, 16
+
+_SUFFIX = {BF16: "bf16", F32: "f32"}
+_NULL = np.uint64(0)
+
+
+def find_nvcc() -> str | None:
+    for cand in (shutil.which("nvcc"), os.path.join(os.environ.get("CUDA_PATH", "/usr/local/cuda"), "bin", "nvcc"),
+                 "/usr/local/cuda/bin/nvcc"):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+class KernelCache:
+    """Compiles kernels_cuda/<name>.cu once per content hash and arch; loads cupy RawModules."""
+
+    def __init__(self, arch: str, kernel_dir: Path = KERNEL_DIR, cache_dir: Path = CACHE_DIR):
+        self.arch, self.kernel_dir, self.cache_dir = arch, Path(kernel_dir), Path(cache_dir)
+        self._modules: dict = {}
+        self._kernels: dict = {}
+        self._nvcc = find_nvcc()
+        self._nvcc_version = self._version() if self._nvcc else ""
+
+    def _version(self) -> str:
+        try:
+            return subprocess.run([self._nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            self._nvcc = None
+            return ""
+
+    def _source_key(self, name: str) -> tuple[str, str]:
+        src = self.kernel_dir / f"{name}.cu"
+        if not src.is_file():
+            raise FileNotFoundError(f"kernel source {src} not found (set METRALE_KERNELS_DIR to the "
+                                    "repository's kernels_cuda/ folder)")
+        h = hashlib.sha256()
+        for p in [src, *sorted(self.kernel_dir.glob("*.cuh"))]:
+            h.update(p.name.encode())
+            h.update(p.read_bytes())
+        h.update(f"{self.arch}|{NVCC_OPTIONS}|{self._nvcc_version}".encode())
+        return src.read_text(), h.hexdigest()[:20]
+
+    def cubin_path(self, name: str) -> Path:
+        """Compile (if not cached) and return the cubin path; raises with nvcc's log on failure."""
+        _, key = self._source_key(name)
+        path = self.cache_dir / f"{name}-{key}-sm{self.arch}.cubin"
+        if path.exists():
+            return path
+        if not self._nvcc:
+            raise FileNotFoundError("nvcc not found")
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".cubin", dir=self.cache_dir)
+        os.close(fd)
+        cmd = [self._nvcc, f"-arch=sm_{self.arch}", "-cubin", *NVCC_OPTIONS, "-I", str(self.kernel_dir),
+               "-o", tmp, str(self.kernel_dir / f"{name}.cu")]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            os.unlink(tmp)
+            raise RuntimeError(f"nvcc failed on kernels_cuda/{name}.cu:\n{' '.join(cmd)}\n{res.stderr}")
+        os.replace(tmp, path)  # atomic: concurrent compilers are safe
+        return path
+
+    def module(self, name: str):
+        import cupy
+
+        mod = self._modules.get(name)
+        if mod is None:
+            try:
+                mod = cupy.RawModule(path=str(self.cubin_path(name)))
+            except (FileNotFoundError, RuntimeError) as e:
+                if self._nvcc and "nvcc failed" in str(e) and f"sm_{self.arch}" not in str(e):
+                    raise
+                # no nvcc, or nvcc does not know this arch: NVRTC (cached by CuPy)
+                code, _ = self._source_key(name)
+                mod = cupy.RawModule(code=code, options=("-std=c++17", f"-I{self.kernel_dir}"),
+                                     backend="nvrtc")
+            self._modules[name] = mod
+        return mod
+
+    def kernel(self, module: str, fn: str):
+        key = (module, fn)
+        k = self._kernels.get(key)
+        if k is None:
+            k = self._kernels[key] = self.module(module).get_function(fn)
+        return k
+
+
+def _ptr(a) -> np.uint64:
+    return _NULL if a is None else np.uint64(a.data.ptr)
+
+
+def _estride(a, dim: int) -> int:
+    return a.strides[dim] // a.itemsize
+
+
+def _aligned(*arrays) -> bool:
+    return all(a is None or a.data.ptr % 16 == 0 for a in arrays)
+
+
+def _block_for(per_row: int) -> int:
+    """Threads for one-block-per-row kernels: `per_row` rounded up to whole warps, 32..1024."""
+    return min(1024, max(32, -(-per_row // 32) * 32))
+
+
+def _host_of(batch: ForwardBatch) -> ForwardBatch | None:
+    if isinstance(batch.query_start_loc, np.ndarray):
+        return batch
+    return getattr(batch, "host", None)
+
+
+class CudaOps:
+    """cupy + kernels_cuda implementation of metrale.backends.base.Ops."""
+
+    name = "cuda"
+
+    def __init__(self, device: int | None = None, dtype=BF16, part_tokens: int | None = None):
+        import cupy
+
+        self.cp = cupy
+        self.device = cupy.cuda.Device(device) if device is not None else cupy.cuda.Device()
+        self.device.use()
+        self.dtype = np.dtype(dtype)
+        self.arch = str(self.device.compute_capability)
+        self.kernels = KernelCache(self.arch)
+        self.sm_count = cupy.cuda.runtime.getDeviceProperties(self.device.id)["multiProcessorCount"]
+        self.part_tokens = part_tokens      # flash-decoding partition (keys per CTA); None = adaptive
+        self.poison = os.environ.get("METRALE_CUDA_POISON", "") == "1"  # NaN-fill new outputs (tests)
+        self._cublas = None
+        self._smem_set: set = set()
+        self._staging: list = []            # pinned upload buffers, with their copy-done events
+        self._staging_next = 0
+
+    # -- kernel access (also used by metrale.backends.cuda_gdn) -------------------------------
+    def module(self, name: str):
+        """cupy.RawModule of kernels_cuda/<name>.cu, compiled for this device once and cached."""
+        return self.kernels.module(name)
+
+    def kernel(self, module: str, fn: str, smem: int = 0):
+        """A kernel of kernels_cuda/<module>.cu; raises its dynamic shared-memory limit to `smem`
+        when that exceeds the default 48 KB."""
+        k = self.kernels.kernel(module, fn)
+        if smem > 48 * 1024 and (module, fn, smem) not in self._smem_set:
+            k.max_dynamic_shared_size_bytes = smem
+            self._smem_set.add((module, fn, smem))
+        return k
+
+    def _suffix(self, a) -> str:
+        try:
+            return _SUFFIX[np.dtype(a.dtype)]
+        except KeyError:
+            raise TypeError(f"CudaOps supports bfloat16 and float32 arrays, got {a.dtype}") from None
+
+    def _grid1d(self, work: int, threads: int = 256) -> int:
+        return max(1, min((work + threads - 1) // threads, self.sm_count * 16))
+
+    def _new(self, shape, dtype):
+        out = self.cp.empty(shape, dtype=dtype)
+        if self.poison:
+            out.view(np.uint8 if np.dtype(dtype).itemsize == 1 else
+                     {2: np.uint16, 4: np.uint32, 8: np.uint64}[np.dtype(dtype).itemsize]).fill(
+                {1: 0xFF, 2: 0x7FC0, 4: 0x7FC00000, 8: 0x7FF8000000000000}[np.dtype(dtype).itemsize])
+        return out
+
+    @property
+    def stream_ptr(self) -> int:
+        return self.cp.cuda.get_current_stream().ptr
+
+    # -- data movement ---------------------------------------------------------------------
+    def asarray(self, x, dtype=None):
+        dt = np.dtype(dtype) if dtype is not None else self.dtype
+        if isinstance(x, self.cp.ndarray):
+            if x.dtype == dt:
+                return x
+            x = self.cp.asnumpy(x)  # conversions through the host: weights / tests only
+        return self.cp.asarray(np.ascontiguousarray(np.asarray(x).astype(dt, copy=False)))
+
+    def to_numpy(self, x):
+        return self.cp.asnumpy(x) if isinstance(x, self.cp.ndarray) else np.asarray(x)
+
+    def empty(self, shape, dtype=None):
+        return self.cp.empty(shape, dtype=dtype or self.dtype)
+
+    def zeros(self, shape, dtype=None):
+        return self.cp.zeros(shape, dtype=dtype or self.dtype)
+
+    _BATCH_FIELDS = ("input_ids", "positions", "query_start_loc", "seq_lens", "block_tables",
+                     "slot_mapping", "state_slots", "logits_indices")
+
+    def upload_batch(self, batch: ForwardBatch) -> ForwardBatch:
+        """One pinned staging buffer -> one async H2D copy -> int32 device views. The host batch
+        stays reachable as `.host` (prefill attention builds its work list from it)."""
+        cp = self.cp
+        host = [np.ascontiguousarray(getattr(batch, f), dtype=np.int32) for f in self._BATCH_FIELDS]
+        sizes = [a.size for a in host]
+        total = max(1, sum(sizes))
+        stage, done = self._staging_buffer(total)
+        done.synchronize()  # the previous copy out of this buffer has finished (normally long ago)
+        off = 0
+        for a in host:
+            stage[off: off + a.size] = a.ravel()
+            off += a.size
+        dev = cp.empty(total, dtype=np.int32)
+        stream = cp.cuda.get_current_stream()
+        dev.set(stage[:total], stream=stream)
+        done.record(stream)
+        views, off = [], 0
+        for a in host:
+            views.append(dev[off: off + a.size].reshape(a.shape))
+            off += a.size
+        out = ForwardBatch(*views, block_size=batch.block_size)
+        out.host = batch
+        return out
+
+    def _staging_buffer(self, n: int):
+        cp = self.cp
+        slot = self._staging_next % 4
+        self._staging_next += 1
+        while len(self._staging) <= slot:
+            self._staging.append((np.empty(0, np.int32), None, cp.cuda.Event(disable_timing=True)))
+        arr, mem, ev = self._staging[slot]
+        if arr.size < n:
+            cap = max(n, 1 << 16)
+            mem = cp.cuda.alloc_pinned_memory(cap * 4)
+            arr = np.frombuffer(mem, np.int32, cap)
+            ev = cp.cuda.Event(disable_timing=True)
+            self._staging[slot] = (arr, mem, ev)
+        return arr, ev
+
+    def _dev(self, a):
+        return a if isinstance(a, self.cp.ndarray) else self.cp.asarray(np.asarray(a, dtype=np.int32))
+
+    # -- layout helpers --------------------------------------------------------------------
+    def _rows(self, x):
+        """x [..., H] -> (2-D view [R, H] with contiguous last dim, row stride in elements)."""
+        cp = self.cp
+        if x.ndim == 1:
+            x = x.reshape(1, -1)
+        if x.ndim > 2:
+            try:
+                x = x.reshape(-1, x.shape[-1])  # a view when the leading dims merge
+            except Exception:
+                x = cp.ascontiguousarray(x).reshape(-1, x.shape[-1])
+        if (x.shape[1] > 1 and _estride(x, 1) != 1) or x.strides[0] % x.itemsize or x.strides[0] < 0:
+            x = cp.ascontiguousarray(x)
+        rs = _estride(x, 0) if x.shape[0] > 1 else x.shape[1]
+        return x, rs
+
+    def _heads(self, x):
+        """x [T, Hh, D] (or [T, D]) -> 3-D view with contiguous last dim."""
+        if x.ndim == 2:
+            x = x.reshape(x.shape[0], 1, x.shape[1])
+        if x.shape[2] > 1 and _estride(x, 2) != 1:
+            x = self.cp.ascontiguousarray(x)
+        return x
+
+    # -- elementwise / norms ---------------------------------------------------------------
+    def embedding(self, ids, table):
+        ids = self._dev(ids)
+        table = self.cp.ascontiguousarray(table)
+        t, (v, h) = ids.shape[0], table.shape
+        out = self._new((t, h), table.dtype)
+        if t:
+            vec = int((h * table.itemsize) % 16 == 0 and _aligned(table, out))
+            self.kernel("elementwise", f"embedding_{self._suffix(table)}")(
+                (t,), (128,), (_ptr(ids), _ptr(table), _ptr(out), np.int32(h), np.int64(v), np.int32(vec)))
+        return out
+
+    def _rms(self, x, residual, w, eps, offset):
+        shape = x.shape
+        x2, xs = self._rows(x)
+        r2, rs = self._rows(residual) if residual is not None else (None, 0)
+        rows, h = x2.shape
+        out = self._new((rows, h), x.dtype)
+        res_out = self._new((rows, h), x.dtype) if residual is not None else None
+        if rows:
+            suf = self._suffix(x)
+            n = 16 // x.itemsize
+            nvec = h // n
+            vec = (h % n == 0 and xs % n == 0 and rs % n == 0 and nvec <= 4096 and
+                   _aligned(x2, r2, w, out, res_out) and w.dtype == x.dtype)
+            args = (_ptr(x2), np.int64(xs), _ptr(r2), np.int64(rs), _ptr(w), _ptr(out), _ptr(res_out),
+                    np.int32(h), np.float32(eps), np.float32(offset))
+            if vec:
+                threads = _block_for(-(-nvec // 4))
+                self.kernel("elementwise", f"rms_norm_vec_{suf}")((rows,), (threads,), args)
+            else:
+                if w.dtype != x.dtype:
+                    w = w.astype(x.dtype)
+                    args = args[:4] + (_ptr(w),) + args[5:]
+                threads = _block_for(-(-h // 4))
+                self.kernel("elementwise", f"rms_norm_scalar_{suf}")((rows,), (threads,), args)
+        return out.reshape(shape), (res_out.reshape(shape) if res_out is not None else None)
+
+    def rms_norm(self, x, w, eps, offset):
+        return self._rms(x, None, w, eps, offset)[0]
+
+    def add_rms_norm(self, x, residual, w, eps, offset):
+        if residual is None:
+            return self.rms_norm(x, w, eps, offset), x
+        return self._rms(x, residual, w, eps, offset)
+
+    def silu_mul(self, x):
+        shape = x.shape
+        x2, xs = self._rows(x)
+        rows, two_i = x2.shape
+        i = two_i // 2
+        out = self._new((rows, i), x.dtype)
+        n = 16 // x.itemsize
+        vec = int(i % n == 0 and xs % n == 0 and _aligned(x2, out))
+        work = rows * (i // n if vec else i)
+        if work:
+            self.kernel("elementwise", f"silu_mul_{self._suffix(x)}")(
+                (self._grid1d(work),), (256,), (_ptr(x2), np.int64(xs), _ptr(out), np.int64(rows), np.int32(i),
+                                                np.int32(vec)))
+        return out.reshape(*shape[:-1], i)
+
+    @staticmethod
+    def _abc(a):
+        """(A, B, C) shape and element strides of a 1-3 D array."""
+        s = [st // a.itemsize for st in a.strides]
+        if a.ndim == 1:
+            return (1, 1, a.shape[0]), (0, 0, s[0])
+        if a.ndim == 2:
+            return (a.shape[0], 1, a.shape[1]), (s[0], 0, s[1])
+        return a.shape, tuple(s)
+
+    def sigmoid_mul(self, x, gate):
+        cp = self.cp
+        shape = np.broadcast_shapes(x.shape, gate.shape)
+        x = cp.broadcast_to(x, shape)
+        g = cp.broadcast_to(gate, shape)
+        if len(shape) > 3 or len(shape) == 0:
+            x, g = cp.ascontiguousarray(x).reshape(-1), cp.ascontiguousarray(g).reshape(-1)
+        (a, b, c), (xa, xb, xc) = self._abc(x)
+        if c > 1 and xc != 1:
+            x = cp.ascontiguousarray(x)
+            (a, b, c), (xa, xb, xc) = self._abc(x)
+        if g.dtype != x.dtype:
+            g = g.astype(x.dtype)
+        _, (ga, gb, gc) = self._abc(g)
+        if c > 1 and gc not in (0, 1):
+            g = cp.ascontiguousarray(g)
+            _, (ga, gb, gc) = self._abc(g)
+        if c == 1:
+            gc = 1
+        out = self._new(shape, x.dtype)
+        n = 16 // x.itemsize
+        vec = int(c % n == 0 and gc == 1 and all(s % n == 0 for s in (xa, xb, ga, gb)) and _aligned(x, g, out))
+        work = a * b * (c // n if vec else c)
+        if work:
+            self.kernel("elementwise", f"sigmoid_mul_{self._suffix(x)}")(
+                (self._grid1d(work),), (256,),
+                (_ptr(x), np.int64(xa), np.int64(xb), _ptr(g), np.int64(ga), np.int64(gb), np.int64(gc),
+                 _ptr(out), np.int64(a), np.int32(b), np.int32(c), np.int32(vec)))
+        return out
+
+    # -- matrices --------------------------------------------------------------------------
+    def _blas(self):
+        if self._cublas is None:
+            major = self.cp.cuda.runtime.runtimeGetVersion() // 1000
+            lib = _cublas.load_libcublas(major)
+            self._workspace = self.cp.empty(_cublas.WORKSPACE_BYTES, dtype=np.uint8)
+            self._cublas = _cublas.Cublas(lib, self._workspace.data.ptr, _cublas.WORKSPACE_BYTES)
+        return self._cublas
+
+    _GEMM_TYPES = {BF16: _cublas.CUDA_R_16BF, F32: _cublas.CUDA_R_32F, np.dtype(np.float16): _cublas.CUDA_R_16F}
+
+    def linear(self, x, w, bias=None):
+        """y = x @ w.T (+ bias) via cublasGemmEx, fp32 compute, output in x's dtype."""
+        if w.dtype != x.dtype:
+            raise TypeError(f"linear: x is {x.dtype} but w is {w.dtype}; convert one with ops.asarray")
+        code = self._GEMM_TYPES.get(np.dtype(x.dtype))
+        if code is None:
+            raise TypeError(f"linear supports bfloat16, float16 and float32, got {x.dtype}")
+        lead = x.shape[:-1]
+        x2, xs = self._rows(x)
+        t, k = x2.shape
+        n_out = w.shape[0]
+        if w.ndim != 2 or w.shape[1] != k:
+            raise ValueError(f"linear: x [..., {k}] does not match w {tuple(w.shape)} (expected [out, {k}])")
+        if _estride(w, 1) != 1 and k > 1:
+            w = self.cp.ascontiguousarray(w)
+        wld = _estride(w, 0) if n_out > 1 else k
+        y = self._new((t, n_out), x.dtype)
+        if t and n_out:
+            self._blas().gemm_rowmajor_xwT(self.stream_ptr, x2.data.ptr, max(xs, k), w.data.ptr, max(wld, k),
+                                           y.data.ptr, n_out, t, n_out, k, code)
+            if bias is not None:
+                b = bias if bias.dtype == y.dtype else bias.astype(y.dtype)
+                self.kernel("elementwise", f"bias_add_{self._suffix(y)}")(
+                    (self._grid1d(t * n_out),), (256,), (_ptr(y), _ptr(b), np.int64(t), np.int32(n_out)))
+        return y.reshape(*lead, n_out)
+
+    # -- attention -------------------------------------------------------------------------
+    def _head_norm_rope(self, x, w, eps, offset, positions, inv_freq, rot):
+        x = self._heads(x)
+        t, nh, d = x.shape
+        out = self._new((t, nh, d), x.dtype)
+        if t * nh:
+            if w is not None and w.dtype != x.dtype:
+                w = w.astype(x.dtype)
+            if inv_freq is not None and inv_freq.dtype != F32:
+                inv_freq = inv_freq.astype(F32)
+            warps = 8
+            self.kernel("elementwise", f"head_norm_rope_{self._suffix(x)}")(
+                (-(-t * nh // warps),), (32 * warps,),
+                (_ptr(x), np.int64(_estride(x, 0)), np.int64(_estride(x, 1)), _ptr(out), np.int64(nh * d),
+                 np.int64(d), np.int32(t), np.int32(nh), np.int32(d), _ptr(w), np.float32(eps),
+                 np.float32(offset), _ptr(positions), _ptr(inv_freq), np.int32(rot)),
+                shared_mem=warps * d * 4)
+        return out
+
+    def head_rms_norm(self, x, w, eps, offset):
+        shape = x.shape
+        return self._head_norm_rope(x, w, eps, offset, None, None, 0).reshape(shape)
+
+    def rope(self, q, k, positions, inv_freq, rotary_dim):
+        """Returns new contiguous (q, k); the inputs are left untouched."""
+        pos = self._dev(positions)
+        inv = self._dev_f32(inv_freq)
+        qs, ks = q.shape, k.shape
+        return (self._head_norm_rope(q, None, 0.0, 0.0, pos, inv, rotary_dim).reshape(qs),
+                self._head_norm_rope(k, None, 0.0, 0.0, pos, inv, rotary_dim).reshape(ks))
+
+    def _dev_f32(self, a):
+        if isinstance(a, self.cp.ndarray):
+            return a if a.dtype == F32 else a.astype(F32)
+        return self.cp.asarray(np.asarray(a, dtype=np.float32))
+
+    def write_kv(self, k, v, k_cache, v_cache, batch):
+        k, v = self._heads(k), self._heads(v)
+        t, hk, d = k.shape
+        if not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype):
+            raise TypeError(f"write_kv: k {k.dtype}, v {v.dtype}, caches {k_cache.dtype}/{v_cache.dtype} differ")
+        if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
+            raise ValueError("write_kv: the KV caches must be contiguous [blocks, block_size, Hk, D]")
+        slots = self._dev(batch.slot_mapping)
+        n = 16 // k.itemsize
+        vec = int(d % n == 0 and all(_estride(a, i) % n == 0 for a in (k, v) for i in (0, 1)) and
+                  _aligned(k, v, k_cache, v_cache))
+        work = t * hk * (d // n if vec else d)
+        if work:
+            self.kernel("elementwise", f"write_kv_{self._suffix(k)}")(
+                (self._grid1d(work),), (256,),
+                (_ptr(k), np.int64(_estride(k, 0)), np.int64(_estride(k, 1)), _ptr(v), np.int64(_estride(v, 0)),
+                 np.int64(_estride(v, 1)), _ptr(k_cache), _ptr(v_cache), _ptr(slots), np.int64(t), np.int32(hk),
+                 np.int32(d), np.int32(vec)))
+
+    def attention(self, q, k_cache, v_cache, batch, scale):
+        cp = self.cp
+        q = self._heads(q)
+        t, hq, d = q.shape
+        _, bs, hk, dc = k_cache.shape
+        if dc != d or hq % hk:
+            raise ValueError(f"attention: q [T, {hq}, {d}] does not fit the cache [.., {bs}, {hk}, {dc}]")
+        if d not in ATTN_BK:
+            raise NotImplementedError(f"attention: head_dim {d} not instantiated (have {sorted(ATTN_BK)})")
+        if not (q.dtype == k_cache.dtype == v_cache.dtype == BF16):
+            raise TypeError("attention runs on bfloat16 q and caches")
+        if _estride(q, 0) % 8 or _estride(q, 1) % 8 or not _aligned(q):
+            q = cp.ascontiguousarray(q)
+        g = hq // hk
+        out = self._new((t, hq, d), BF16)
+        if t == 0:
+            return out
+        if not isinstance(batch.query_start_loc, cp.ndarray):
+            batch = self.upload_batch(batch)
+        scale_log2 = np.float32(scale * 1.4426950408889634)
+        bt = batch.block_tables
+        m = bt.shape[1]
+        common = (_ptr(q), np.int64(_estride(q, 0)), np.int64(_estride(q, 1)), _ptr(k_cache), _ptr(v_cache),
+                  _ptr(bt), np.int32(m), _ptr(batch.seq_lens), _ptr(batch.query_start_loc))
+        bk = ATTN_BK[d]
+        lds = d + 8
+        if batch.is_decode:
+            b = t
+            nchunks = -(-g // MAX_G_PER_CTA)
+            gcap = min(g, MAX_G_PER_CTA)
+            part = self._decode_partition(b * hk * nchunks, m * bs)
+            nparts = max(1, -(-(m * bs) // part))  # from shapes only: graph-safe
+            smem = 2 * bk * lds * 2 + gcap * d * 4 + gcap * bk * 4 + 3 * gcap * 4
+            if nparts > 1:
+                part_o = cp.empty((b, hq, nparts, d), dtype=F32)
+                part_m = cp.empty((b, hq, nparts), dtype=F32)
+                part_l = cp.empty((b, hq, nparts), dtype=F32)
+            else:
+                part_o = part_m = part_l = None
+            self.kernel("attention", f"decode_attn_d{d}", smem)(
+                (b, hk * nchunks, nparts), (DECODE_THREADS,),
+                common + (_ptr(out), _ptr(part_o), _ptr(part_m), _ptr(part_l), np.int32(hk), np.int32(g),
+                          np.int32(gcap), np.int32(nchunks), np.int32(bs), np.int32(part),
+                          np.int32(nparts), scale_log2),
+                shared_mem=smem)
+            if nparts > 1:
+                self.kernel("attention", "decode_reduce")(
+                    (b, hq), (min(d, 256),),
+                    (_ptr(part_o), _ptr(part_m), _ptr(part_l), _ptr(batch.seq_lens), _ptr(batch.query_start_loc),
+                     _ptr(out), np.int32(hq), np.int32(d), np.int32(part), np.int32(nparts)))
+            return out
+        if g > PREFILL_ROWS:
+            raise NotImplementedError(f"attention: {g} q heads per kv head (at most {PREFILL_ROWS})")
+        bq = PREFILL_ROWS // g
+        work = self._work_list(batch, bq)
+        smem = (PREFILL_ROWS + 2 * bk) * lds * 2 + PREFILL_ROWS * bk * 4
+        self.kernel("attention", f"prefill_attn_d{d}", smem)(
+            (work.shape[0], hk), (PREFILL_THREADS,),
+            common + (_ptr(work), _ptr(out), np.int32(hk), np.int32(g), np.int32(bq), np.int32(bs), scale_log2),
+            shared_mem=smem)
+        return out
+
+    def _decode_partition(self, groups: int, max_keys: int) -> int:
+        """Keys per decode CTA: enough partitions for ~4 CTAs per SM at small batches, at most
+        512 keys (a multiple of 64). Depends on shapes only, so captured graphs stay valid."""
+        if self.part_tokens:
+            return int(self.part_tokens)
+        per = -(-groups * max_keys // (4 * self.sm_count))
+        return int(min(512, max(64, -(-per // 64) * 64)))
+
+    def _work_list(self, batch: ForwardBatch, bq: int):
+        """int32 [nwork, 2] (sequence, first new-token index) tiles of `bq` query tokens, built on
+        the host from the batch's host copy (one small upload per batch and tile size)."""
+        cache = getattr(batch, "_work", None)
+        if cache is None:
+            cache = batch._work = {}
+        if bq not in cache:
+            host = _host_of(batch)
+            qsl = (np.asarray(host.query_start_loc) if host is not None
+                   else self.cp.asnumpy(batch.query_start_loc))  # a sync: only without .host
+            qlens = np.diff(qsl.astype(np.int64))
+            seq = np.repeat(np.arange(len(qlens)), -(-qlens // bq))
+            starts = np.concatenate([np.arange(0, n, bq) for n in qlens]) if len(qlens) else np.zeros(0)
+            work = np.stack([seq, starts], axis=1).astype(np.int32) if len(seq) else np.zeros((0, 2), np.int32)
+            cache[bq] = self.cp.asarray(work)
+        return cache[bq]
+
+    # -- Gated DeltaNet and MoE: metrale.backends.cuda_gdn (kernels_cuda/gdn*.cu, moe.cu) -----
+    def _gdn(self, fn: str):
+        try:
+            from metrale.backends import cuda_gdn
+        except ImportError as e:
+            raise NotImplementedError(
+                f"CudaOps.{fn} is implemented in metrale/backends/cuda_gdn.py (GDN/MoE kernels), which "
+                f"could not be imported: {e}") from e
+        impl = getattr(cuda_gdn, fn, None)
+        if impl is None:
+            raise NotImplementedError(f"metrale.backends.cuda_gdn has no {fn}() yet")
+        return impl
+
+    def causal_conv1d(self, x, weight, conv_state, batch):
+        return self._gdn("causal_conv1d")(self, x, weight, conv_state, batch)
+
+    def gdn_gates(self, a, b, A_log, dt_bias):
+        return self._gdn("gdn_gates")(self, a, b, A_log, dt_bias)
+
+    def gated_delta_rule(self, q, k, v, g, beta, ssm_state, batch):
+        return self._gdn("gated_delta_rule")(self, q, k, v, g, beta, ssm_state, batch)
+
+    def gated_rms_norm(self, x, z, w, eps):
+        return self._gdn("gated_rms_norm")(self, x, z, w, eps)
+
+    def moe(self, x, router_w, gate_up, down, top_k, renormalize):
+        return self._gdn("moe")(self, x, router_w, gate_up, down, top_k, renormalize)

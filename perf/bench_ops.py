@@ -1,0 +1,217 @@
+"""Op benchmarks of the CUDA backend (a benchmark, not a test).
+
+Measures the ceilings first (device-to-device copy bandwidth, bf16 GEMM rate at 8192^3), then:
+  * cuBLAS decode GEMMs (our ctypes handle) at M = 1, 8, 64, 128 for [in x out] = 4096x12288,
+    12288x4096, 4096x248320 (the lm head), eager and replayed from a captured CUDA graph, as a
+    fraction of the copy bandwidth (bytes = weights + activations);
+  * decode attention (Qwen3.5-27B attention shape: 24 q / 4 kv heads of 256, block 16) at
+    B = 1..128 x context 1k..8k, from a captured graph, as a fraction of the copy bandwidth;
+  * prefill attention FLOP rate (causal, one sequence, 24/4 x 256 and 32/8 x 128).
+Writes perf/results/ops_<date>_<commit>.json (and a copy under --out) and prints a table.
+
+    python perf/bench_ops.py [--out DIR] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import cupy  # noqa: E402
+import ml_dtypes  # noqa: E402
+
+from metrale.backends.cuda import CudaOps  # noqa: E402
+from metrale.forward import ForwardBatch  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+def time_gpu(fn, iters: int, warmup: int = 3) -> float:
+    """Mean seconds per call of fn() on the current stream (CUDA events around `iters` calls)."""
+    for _ in range(warmup):
+        fn()
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return cupy.cuda.get_elapsed_time(start, end) / 1e3 / iters
+
+
+def time_graph(fn, calls_per_graph: int, replays: int):
+    """Capture `calls_per_graph` calls of fn() in one graph; mean seconds per call over replays."""
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        fn()
+        fn()
+        stream.synchronize()
+        stream.begin_capture()
+        for _ in range(calls_per_graph):
+            fn()
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        for _ in range(replays):
+            graph.launch(stream)
+        end.record(stream)
+        end.synchronize()
+    return cupy.cuda.get_elapsed_time(start, end) / 1e3 / (replays * calls_per_graph)
+
+
+def rand_bf16(shape, scale=1.0):
+    return (cupy.random.standard_normal(shape, dtype=cupy.float32) * scale).astype(BF16)
+
+
+def bench_ceilings(ops: CudaOps) -> dict:
+    n = 1 << 30  # 1 GiB each way
+    a = cupy.empty(n, dtype=cupy.uint8)
+    b = cupy.empty(n, dtype=cupy.uint8)
+    a.fill(1)
+    t = time_gpu(lambda: cupy.copyto(b, a), 20)
+    copy_bw = 2 * n / t
+    m = 8192
+    x, w = rand_bf16((m, m)), rand_bf16((m, m))
+    t = time_gpu(lambda: ops.linear(x, w), 10)
+    return {"copy_bytes_per_s": copy_bw, "gemm_bf16_flop_per_s": 2 * m ** 3 / t, "gemm_shape": [m, m, m]}
+
+
+def bench_gemms(ops: CudaOps, copy_bw: float, quick: bool) -> list[dict]:
+    rows = []
+    for k, n in [(4096, 12288), (12288, 4096), (4096, 248320)]:
+        w = rand_bf16((n, k), k ** -0.5)
+        for m in (1, 8, 64, 128):
+            x = rand_bf16((m, k))
+            nbytes = (n * k + m * k + m * n) * 2
+            iters = 20 if quick else 100
+            eager = time_gpu(lambda: ops.linear(x, w), iters)
+            try:
+                graph = time_graph(lambda: ops.linear(x, w), 10, 5 if quick else 20)
+            except Exception as e:  # report, keep benchmarking
+                graph, err = float("nan"), repr(e)
+            else:
+                err = None
+            rows.append({"in": k, "out": n, "M": m, "bytes": nbytes, "eager_s": eager, "graph_s": graph,
+                         "eager_frac_copy_bw": nbytes / eager / copy_bw,
+                         "graph_frac_copy_bw": nbytes / graph / copy_bw if graph == graph else None,
+                         "graph_error": err, "flop_per_s_graph": 2 * m * n * k / graph if graph == graph else None})
+        del w
+    return rows
+
+
+def decode_batch(b: int, ctx: int, bs: int, rng) -> tuple[ForwardBatch, int]:
+    per = -(-(ctx + 1) // bs)
+    nb = b * per + 1
+    perm = rng.permutation(np.arange(1, nb)).astype(np.int32)
+    bt = perm.reshape(b, per)
+    seq_lens = np.full(b, ctx + 1, np.int32)
+    pos = np.full(b, ctx, np.int32)
+    slots = (bt[:, ctx // bs] * bs + ctx % bs).astype(np.int32)
+    batch = ForwardBatch(np.zeros(b, np.int32), pos, np.arange(b + 1, dtype=np.int32), seq_lens, bt, slots,
+                         np.arange(b, dtype=np.int32), np.arange(b, dtype=np.int32), bs)
+    return batch, nb
+
+
+def bench_decode_attention(ops: CudaOps, copy_bw: float, quick: bool) -> list[dict]:
+    hq, hk, d, bs = 24, 4, 256, 16
+    rng = np.random.default_rng(0)
+    rows = []
+    max_tokens = 128 * (8192 + bs)
+    kc = rand_bf16((max_tokens // bs + 2, bs, hk, d))
+    vc = rand_bf16((max_tokens // bs + 2, bs, hk, d))
+    for b in ((1, 8, 64, 128) if quick else (1, 2, 4, 8, 16, 32, 64, 128)):
+        for ctx in (1024, 2048, 4096, 8192):
+            batch, nb = decode_batch(b, ctx, bs, rng)
+            dev = ops.upload_batch(batch)
+            q = rand_bf16((b, hq, d))
+            k_, v_ = kc[:nb], vc[:nb]
+            nbytes = 2 * b * (ctx + 1) * hk * d * 2 + 2 * b * hq * d * 2
+            fn = lambda: ops.attention(q, k_, v_, dev, d ** -0.5)  # noqa: E731
+            try:
+                t = time_graph(fn, 10, 5 if quick else 20)
+                mode = "graph"
+            except Exception:
+                t, mode = time_gpu(fn, 20), "eager"
+            rows.append({"B": b, "context": ctx, "heads": [hq, hk, d], "bytes": nbytes, "s": t, "mode": mode,
+                         "frac_copy_bw": nbytes / t / copy_bw})
+    return rows
+
+
+def bench_prefill_attention(ops: CudaOps, quick: bool) -> list[dict]:
+    rows = []
+    for hq, hk, d in [(24, 4, 256), (32, 8, 128)]:
+        for L in ((1024, 4096) if quick else (1024, 4096, 8192)):
+            bs = 16
+            nb = -(-L // bs) + 1
+            bt = np.arange(1, nb, dtype=np.int32)[None, :]
+            batch = ForwardBatch(np.zeros(L, np.int32), np.arange(L, dtype=np.int32), np.array([0, L], np.int32),
+                                 np.array([L], np.int32), bt, np.arange(bs, bs + L, dtype=np.int32),
+                                 np.zeros(1, np.int32), np.array([L - 1], np.int32), bs)
+            dev = ops.upload_batch(batch)
+            kc, vc = rand_bf16((nb, bs, hk, d)), rand_bf16((nb, bs, hk, d))
+            q = rand_bf16((L, hq, d))
+            t = time_gpu(lambda: ops.attention(q, kc, vc, dev, d ** -0.5), 3 if quick else 10)
+            flops = 4 * d * hq * L * (L + 1) / 2
+            rows.append({"L": L, "heads": [hq, hk, d], "s": t, "flop_per_s": flops / t})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    ops = CudaOps()
+    props = cupy.cuda.runtime.getDeviceProperties(ops.device.id)
+    res = {"commit": commit(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "device": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
+           "sm_count": props["multiProcessorCount"], "cupy": cupy.__version__,
+           "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(), "cublas": ops._blas().version, "dtype": "bfloat16"}
+    res["ceilings"] = c = bench_ceilings(ops)
+    print(f"copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s   bf16 GEMM 8192^3 {c['gemm_bf16_flop_per_s'] / 1e12:.0f} TFLOP/s")
+    res["gemm_decode"] = bench_gemms(ops, c["copy_bytes_per_s"], args.quick)
+    print(f"\n{'GEMM in x out':>16} {'M':>4} {'eager us':>9} {'graph us':>9} {'eager %bw':>9} {'graph %bw':>9}")
+    for r in res["gemm_decode"]:
+        g = r["graph_frac_copy_bw"]
+        print(f"{r['in']:>7}x{r['out']:<8} {r['M']:>4} {r['eager_s'] * 1e6:>9.1f} {r['graph_s'] * 1e6:>9.1f} "
+              f"{100 * r['eager_frac_copy_bw']:>8.0f}% {(100 * g if g else float('nan')):>8.0f}%")
+    res["attention_decode"] = bench_decode_attention(ops, c["copy_bytes_per_s"], args.quick)
+    print(f"\n{'decode attn B':>14} {'ctx':>6} {'us':>9} {'%bw':>6} mode")
+    for r in res["attention_decode"]:
+        print(f"{r['B']:>14} {r['context']:>6} {r['s'] * 1e6:>9.1f} {100 * r['frac_copy_bw']:>5.0f}% {r['mode']}")
+    res["attention_prefill"] = bench_prefill_attention(ops, args.quick)
+    print(f"\n{'prefill attn heads':>20} {'L':>6} {'ms':>8} {'TFLOP/s':>8}")
+    for r in res["attention_prefill"]:
+        print(f"{str(r['heads']):>20} {r['L']:>6} {r['s'] * 1e3:>8.2f} {r['flop_per_s'] / 1e12:>8.1f}")
+    name = f"ops_{_dt.date.today():%Y%m%d}_{res['commit']}.json"
+    paths = [ROOT / "perf" / "results" / name] + ([Path(args.out) / name] if args.out else [])
+    for p in paths:
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(json.dumps(res, indent=1))
+            print(f"wrote {p}")
+        except OSError as e:
+            print(f"could not write {p}: {e}")
+
+
+if __name__ == "__main__":
+    main()

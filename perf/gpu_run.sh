@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The one script run on the GPU machine (H200): build, GPU tests, benchmarks; logs + JSON to a folder.
+#
+#   perf/gpu_run.sh [OUTDIR]        (OUTDIR defaults to $OUT, else perf/results/gpu_<date>)
+#   QUICK=1 perf/gpu_run.sh ...     shorter benchmark sweep
+#   PYTEST_ARGS="-k attention" ...  a subset of the GPU tests
+#
+# Wheels the GPU image lacks (pyzmq, falcon, gunicorn, orjson) are installed from ./.whl when it
+# exists (fetch them beforehand with ../shared/tools/gpu-wheels.sh from the project root).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUTDIR="${1:-${OUT:-perf/results/gpu_$(date +%Y%m%d_%H%M%S)}}"
+mkdir -p "$OUTDIR"
+PY="${PYTHON:-python3}"
+status=0
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    > "$OUTDIR/wheels.log" 2>&1 && export PYTHONPATH="/tmp/site:${PYTHONPATH:-}" || { echo "wheel install failed"; status=1; }
+fi
+export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+
+# the Cython hot loop, built in place for this Python (no dependency resolution: the image has them)
+if ! "$PY" setup.py build_ext --inplace > "$OUTDIR/build.log" 2>&1; then
+  "$PY" -m pip install -e . --no-build-isolation --no-deps >> "$OUTDIR/build.log" 2>&1 || { echo "build failed (see build.log)"; status=1; }
+fi
+
+{ nvidia-smi; nvcc --version; "$PY" -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__)"; } \
+  > "$OUTDIR/env.txt" 2>&1
+
+echo "== GPU tests"
+"$PY" -m pytest -m gpu -q -rfEs --timeout 1200 ${PYTEST_ARGS:-} tests 2>&1 | tee "$OUTDIR/pytest_gpu.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "== kernel resources (sm_90)"
+"$PY" -m pytest -q -s tests/test_kernels_compile.py 2>&1 | tee "$OUTDIR/kernels_compile.log" | tail -n 5
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "== op benchmarks"
+"$PY" perf/bench_ops.py --out "$OUTDIR" ${QUICK:+--quick} 2>&1 | tee "$OUTDIR/bench_ops.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "gpu_run.sh: status $status, logs in $OUTDIR"
+exit $status

@@ -1,0 +1,350 @@
+"""CudaOps op by op against CpuOps (the spec), on random inputs, ragged batches and chunk
+boundaries. New outputs are NaN-poisoned (CudaOps.poison), so an element a kernel forgets to
+write fails the test. bf16 paths: ||out - ref|| / ||ref|| <= 1e-2; fp32 paths: 1e-5.
+
+Runs on the H200 through perf/gpu_run.sh (marked gpu: skipped without a GPU)."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from metrale.backends.cpu import CpuOps
+from metrale.forward import contiguous_batch
+
+pytestmark = pytest.mark.gpu
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.dtype(np.float32)
+TOL = {BF16: 1e-2, F32: 1e-5}
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from metrale.backends.cuda import CudaOps
+
+    o = CudaOps()
+    o.poison = True
+    return o
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    return CpuOps(np.float32)
+
+
+def rnd(rng, shape, dtype, scale=1.0):
+    """Random values already representable in `dtype` (so CPU and GPU see the same inputs)."""
+    return (rng.standard_normal(shape) * scale).astype(np.float32).astype(dtype)
+
+
+def check(out, ref, dtype, what=""):
+    out = np.asarray(out).astype(np.float32)
+    ref = np.asarray(ref).astype(np.float32)
+    assert out.shape == ref.shape, f"{what}: shape {out.shape} != {ref.shape}"
+    assert np.isfinite(out).all(), f"{what}: {np.count_nonzero(~np.isfinite(out))} non-finite outputs (unwritten?)"
+    err = np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
+    assert err <= TOL[np.dtype(dtype)], f"{what}: relative error {err:.3g} > {TOL[np.dtype(dtype)]}"
+
+
+def f32(a):
+    return np.asarray(a).astype(np.float32)
+
+
+DTYPES = [BF16, F32]
+
+
+# -- data movement ------------------------------------------------------------------------------
+def test_asarray_roundtrip_and_upload(ops):
+    rng = np.random.default_rng(0)
+    x = rnd(rng, (5, 7), BF16)
+    assert ops.to_numpy(ops.asarray(x)).tobytes() == x.tobytes()
+    b = contiguous_batch([[1, 2, 3], [4], [5, 6]], [0, 17, 3], [[3], [7, 9], [2]], [0, 1, 2], 16)
+    d = ops.upload_batch(b)
+    for f in ("input_ids", "positions", "query_start_loc", "seq_lens", "block_tables", "slot_mapping",
+              "state_slots", "logits_indices"):
+        np.testing.assert_array_equal(ops.to_numpy(getattr(d, f)), getattr(b, f), err_msg=f)
+    assert d.host is b and d.num_tokens == 6 and not d.is_decode
+
+
+# -- elementwise / norms ------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("v,h,t", [(50, 64, 9), (1000, 4096, 33), (17, 100, 5), (7, 36, 1)])
+def test_embedding(ops, cpu, dtype, v, h, t):
+    rng = np.random.default_rng(1)
+    table = rnd(rng, (v, h), dtype)
+    ids = rng.integers(0, v, t).astype(np.int32)
+    out = ops.embedding(ops.asarray(ids, np.int32), ops.asarray(table, dtype))
+    check(ops.to_numpy(out), cpu.embedding(ids, f32(table)), dtype, "embedding")
+
+
+def test_embedding_out_of_range_ids_give_zeros(ops):
+    table = ops.asarray(np.ones((4, 64), np.float32))
+    out = ops.to_numpy(ops.embedding(ops.asarray(np.array([0, -1, 4, 3], np.int32), np.int32), table))
+    assert f32(out[[1, 2]]).sum() == 0 and f32(out[[0, 3]]).min() == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,h", [(1, 64), (7, 1001), (33, 4096), (5, 5120), (3, 40000), (130, 256)])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm_and_add(ops, dtype, rows, h, offset):
+    rng = np.random.default_rng(2)
+    ref = CpuOps(dtype)   # storage rounding of the residual sum matches the spec's storage dtype
+    x, r, w = rnd(rng, (rows, h), dtype), rnd(rng, (rows, h), dtype), rnd(rng, (h,), dtype, 0.5)
+    dx, dr, dw = ops.asarray(x, dtype), ops.asarray(r, dtype), ops.asarray(w, dtype)
+    check(ops.to_numpy(ops.rms_norm(dx, dw, 1e-6, offset)), ref.rms_norm(x, w, 1e-6, offset), dtype, "rms_norm")
+    out, res = ops.add_rms_norm(dx, dr, dw, 1e-6, offset)
+    rout, rres = ref.add_rms_norm(x, r, w, 1e-6, offset)
+    check(ops.to_numpy(res), rres, dtype, "add_rms_norm residual")
+    check(ops.to_numpy(out), rout, dtype, "add_rms_norm out")
+    out, res = ops.add_rms_norm(dx, None, dw, 1e-6, offset)
+    check(ops.to_numpy(out), ref.rms_norm(x, w, 1e-6, offset), dtype, "add_rms_norm(residual=None)")
+    assert res is dx
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_strided_and_3d(ops, dtype):
+    rng = np.random.default_rng(3)
+    ref = CpuOps(dtype)
+    big = rnd(rng, (6, 3 * 256), dtype)
+    w = rnd(rng, (256,), dtype)
+    view = ops.asarray(big, dtype)[:, 256:512]         # row stride 768
+    check(ops.to_numpy(ops.rms_norm(view, ops.asarray(w, dtype), 1e-5, 0.0)),
+          ref.rms_norm(big[:, 256:512], w, 1e-5, 0.0), dtype, "rms_norm strided")
+    x3 = rnd(rng, (4, 3, 256), dtype)
+    check(ops.to_numpy(ops.rms_norm(ops.asarray(x3, dtype), ops.asarray(w, dtype), 1e-5, 1.0)),
+          ref.rms_norm(x3, w, 1e-5, 1.0), dtype, "rms_norm 3d")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,i", [(1, 17408), (33, 100), (5, 13), (64, 1536)])
+def test_silu_mul(ops, dtype, rows, i):
+    rng = np.random.default_rng(4)
+    x = rnd(rng, (rows, 2 * i), dtype, 2.0)
+    check(ops.to_numpy(ops.silu_mul(ops.asarray(x, dtype))), CpuOps(dtype).silu_mul(x), dtype, "silu_mul")
+    # a column-slice view (row stride > 2I)
+    wide = rnd(rng, (rows, 2 * i + 8), dtype)
+    check(ops.to_numpy(ops.silu_mul(ops.asarray(wide, dtype)[:, : 2 * i])), CpuOps(dtype).silu_mul(wide[:, : 2 * i]),
+          dtype, "silu_mul view")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sigmoid_mul(ops, dtype):
+    rng = np.random.default_rng(5)
+    ref = CpuOps(dtype)
+    for shape in [(1, 64), (9, 3, 128), (33, 1000), (4, 7)]:
+        x, g = rnd(rng, shape, dtype), rnd(rng, shape, dtype, 3.0)
+        check(ops.to_numpy(ops.sigmoid_mul(ops.asarray(x, dtype), ops.asarray(g, dtype))),
+              ref.sigmoid_mul(x, g), dtype, f"sigmoid_mul {shape}")
+    # the gated-attention case: gate is a column slice of the fused qkv output
+    t, hq, d = 5, 4, 64
+    qkv = rnd(rng, (t, 2 * hq * d + 2 * d), dtype)
+    o = rnd(rng, (t, hq * d), dtype)
+    dq = ops.asarray(qkv, dtype)
+    check(ops.to_numpy(ops.sigmoid_mul(ops.asarray(o, dtype), dq[:, hq * d: 2 * hq * d])),
+          ref.sigmoid_mul(o, qkv[:, hq * d: 2 * hq * d]), dtype, "sigmoid_mul gate view")
+    # the shared-expert case: gate [T, 1] broadcasts over the hidden size
+    x, g = rnd(rng, (6, 256), dtype), rnd(rng, (6, 1), dtype)
+    check(ops.to_numpy(ops.sigmoid_mul(ops.asarray(x, dtype), ops.asarray(g, dtype))),
+          ref.sigmoid_mul(x, g), dtype, "sigmoid_mul broadcast gate")
+
+
+# -- matrices -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,k,n,bias", [(1, 64, 128, False), (7, 4096, 1536, True), (130, 1000, 3, True),
+                                        (64, 512, 4096, False), (1, 5120, 1, False)])
+def test_linear(ops, cpu, dtype, t, k, n, bias):
+    rng = np.random.default_rng(6)
+    x, w = rnd(rng, (t, k), dtype), rnd(rng, (n, k), dtype, k ** -0.5)
+    b = rnd(rng, (n,), dtype) if bias else None
+    out = ops.linear(ops.asarray(x, dtype), ops.asarray(w, dtype), ops.asarray(b, dtype) if bias else None)
+    ref = cpu.linear(f32(x), f32(w), f32(b) if bias else None)
+    check(ops.to_numpy(out), ref, dtype, "linear")
+
+
+def test_linear_strided_input(ops, cpu):
+    rng = np.random.default_rng(7)
+    x = rnd(rng, (9, 3, 256), BF16)
+    w = rnd(rng, (96, 128), BF16, 0.1)
+    view = ops.asarray(x)[:, 1, 64:192]           # row stride 768
+    check(ops.to_numpy(ops.linear(view, ops.asarray(w))), cpu.linear(f32(x[:, 1, 64:192]), f32(w)), BF16, "linear view")
+
+
+# -- heads: norm + rotary -----------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_head_rms_norm_and_rope(ops, dtype, d):
+    rng = np.random.default_rng(8)
+    ref = CpuOps(dtype)
+    t, hq, hk = 11, 6, 2
+    qkv = rnd(rng, (t, (hq + 2 * hk) * d), dtype)
+    dq = ops.asarray(qkv, dtype)
+    q_view = dq[:, : hq * d].reshape(t, hq, d)
+    k_view = dq[:, hq * d: (hq + hk) * d].reshape(t, hk, d)
+    hq_ = qkv[:, : hq * d].reshape(t, hq, d)
+    hk_ = qkv[:, hq * d: (hq + hk) * d].reshape(t, hk, d)
+    w = rnd(rng, (d,), dtype, 0.3)
+    for off in (0.0, 1.0):
+        check(ops.to_numpy(ops.head_rms_norm(q_view, ops.asarray(w, dtype), 1e-6, off)),
+              ref.head_rms_norm(hq_, w, 1e-6, off), dtype, "head_rms_norm")
+    positions = rng.integers(0, 40000, t).astype(np.int32)
+    for rot in (d, d // 4):
+        base = 10000.0 if rot == d else 1e7
+        inv_freq = (1.0 / base ** (np.arange(0, rot, 2, dtype=np.float32) / rot)).astype(np.float32)
+        q2, k2 = ops.rope(q_view, k_view, ops.asarray(positions, np.int32), ops.asarray(inv_freq, np.float32), rot)
+        rq, rk = ref.rope(hq_, hk_, positions, inv_freq, rot)
+        check(ops.to_numpy(q2), rq, dtype, f"rope q rot={rot}")
+        check(ops.to_numpy(k2), rk, dtype, f"rope k rot={rot}")
+
+
+# -- paged KV + attention -----------------------------------------------------------------------
+def paged_batch(rng, ctx_lens, q_lens, bs, spare_blocks=3):
+    """A ForwardBatch over a shuffled block pool: sequence i holds ctx_lens[i] cached tokens and
+    adds q_lens[i] new ones."""
+    need = [-(-(c + q) // bs) for c, q in zip(ctx_lens, q_lens)]
+    num_blocks = sum(need) + spare_blocks
+    pool = rng.permutation(num_blocks)
+    tables, at = [], 0
+    for n in need:
+        tables.append([int(x) for x in pool[at: at + n]])
+        at += n
+    batch = contiguous_batch([[1] * q for q in q_lens], list(ctx_lens), tables, list(range(len(q_lens))), bs)
+    return batch, num_blocks
+
+
+def seq_slots(batch, i):
+    pos = np.arange(int(batch.seq_lens[i]))
+    return batch.block_tables[i, pos // batch.block_size].astype(np.int64) * batch.block_size + pos % batch.block_size
+
+
+def test_write_kv(ops):
+    rng = np.random.default_rng(9)
+    bs, hk, d = 16, 2, 128
+    batch, nb = paged_batch(rng, [5, 0, 31], [3, 20, 1], bs)
+    batch.slot_mapping[1] = -1                      # a padding token: skipped
+    t = batch.num_tokens
+    kv = rnd(rng, (t, 2 * hk * d + 64), BF16)       # k, v as views of one projection
+    dkv = ops.asarray(kv)
+    k, v = dkv[:, : hk * d].reshape(t, hk, d), dkv[:, hk * d: 2 * hk * d].reshape(t, hk, d)
+    kc = ops.asarray(np.full((nb, bs, hk, d), np.nan, np.float32))
+    vc = ops.asarray(np.full((nb, bs, hk, d), np.nan, np.float32))
+    ops.write_kv(k, v, kc, vc, ops.upload_batch(batch))
+    kc_h, vc_h = f32(ops.to_numpy(kc)).reshape(-1, hk, d), f32(ops.to_numpy(vc)).reshape(-1, hk, d)
+    hk_ = f32(kv[:, : hk * d]).reshape(t, hk, d)
+    hv_ = f32(kv[:, hk * d: 2 * hk * d]).reshape(t, hk, d)
+    valid = batch.slot_mapping >= 0
+    np.testing.assert_array_equal(kc_h[batch.slot_mapping[valid]], hk_[valid])
+    np.testing.assert_array_equal(vc_h[batch.slot_mapping[valid]], hv_[valid])
+    untouched = np.setdiff1d(np.arange(kc_h.shape[0]), batch.slot_mapping[valid])
+    assert np.isnan(kc_h[untouched]).all() and np.isnan(vc_h[untouched]).all()
+
+
+def run_attention(ops, cpu, rng, ctx_lens, q_lens, hq, hk, d, bs, part_tokens=None):
+    batch, nb = paged_batch(rng, ctx_lens, q_lens, bs)
+    # NaN everywhere a sequence has no token: any read past a sequence's end poisons the output
+    k = np.full((nb * bs, hk, d), np.nan, np.float32)
+    v = np.full((nb * bs, hk, d), np.nan, np.float32)
+    for i in range(batch.num_seqs):
+        s = seq_slots(batch, i)
+        k[s] = f32(rnd(rng, (len(s), hk, d), BF16))
+        v[s] = f32(rnd(rng, (len(s), hk, d), BF16))
+    k, v = k.reshape(nb, bs, hk, d), v.reshape(nb, bs, hk, d)
+    q = f32(rnd(rng, (batch.num_tokens, hq, d), BF16))
+    scale = d ** -0.5
+    ref = cpu.attention(q, k, v, batch, scale)
+    old = ops.part_tokens
+    ops.part_tokens = part_tokens
+    try:
+        out = ops.attention(ops.asarray(q), ops.asarray(k), ops.asarray(v), ops.upload_batch(batch), scale)
+    finally:
+        ops.part_tokens = old
+    check(ops.to_numpy(out), ref, BF16,
+          f"attention ctx={ctx_lens} q={q_lens} hq={hq} hk={hk} d={d} bs={bs} decode={batch.is_decode}")
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("hq,hk", [(4, 4), (8, 2), (24, 4), (40, 2)])   # G = 1, 4, 6, 20 (> 16 per CTA)
+def test_decode_attention(ops, cpu, d, hq, hk):
+    rng = np.random.default_rng(10 + d + hq)
+    ctx = [0, 1, 15, 16, 511, 512, 1500, 4100]                      # partition boundaries at 512
+    run_attention(ops, cpu, rng, ctx, [1] * len(ctx), hq, hk, d, 16)
+
+
+@pytest.mark.parametrize("part_tokens", [None, 32, 64, 100, 512, 100000])
+def test_decode_attention_partitions(ops, cpu, part_tokens):
+    rng = np.random.default_rng(11)
+    ctx = list(rng.integers(0, 700, 13))
+    run_attention(ops, cpu, rng, ctx, [1] * len(ctx), 16, 4, 128, 32, part_tokens)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("hq,hk", [(4, 4), (8, 2), (24, 4), (32, 1)])
+def test_prefill_attention(ops, cpu, d, hq, hk):
+    rng = np.random.default_rng(20 + d + hq)
+    # fresh prompts, chunked prefill continuing a context, single tokens in a mixed batch,
+    # lengths around the 64-row / BK tiles
+    ctx = [0, 0, 37, 300, 0, 5, 64]
+    ql = [1, 200, 64, 33, 17, 1, 65]
+    run_attention(ops, cpu, rng, ctx, ql, hq, hk, d, 16)
+
+
+def test_prefill_attention_block_size_and_long(ops, cpu):
+    rng = np.random.default_rng(30)
+    run_attention(ops, cpu, rng, [0, 1000], [1100, 7], 8, 8, 128, 32)
+
+
+# -- CUDA graph capture -------------------------------------------------------------------------
+def test_decode_step_captures_in_a_cuda_graph(ops):
+    """linear (cuBLAS via our handle) + add_rms_norm + rope + write_kv + split-KV attention +
+    sigmoid_mul captured once, replayed on new inputs: equal to the eager ops."""
+    import cupy
+
+    rng = np.random.default_rng(40)
+    b, hq, hk, d, hidden, bs, width = 8, 8, 2, 128, 1024, 16, 80   # 80 blocks: 1280 keys, 3 partitions
+    ctx = [int(c) for c in rng.integers(1, 1200, b)]
+    nb = b * width + 1
+    tables = [[1 + i * width + j for j in range(width)] for i in range(b)]
+    w_qkv = ops.asarray(rnd(rng, ((hq + 2 * hk) * d, hidden), BF16, hidden ** -0.5))
+    w_norm = ops.asarray(rnd(rng, (hidden,), BF16, 0.2))
+    inv_freq = ops.asarray((1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32), np.float32)
+    kc = ops.asarray(rnd(rng, (nb, bs, hk, d), BF16))
+    vc = ops.asarray(rnd(rng, (nb, bs, hk, d), BF16))
+    static = {"x": ops.asarray(rnd(rng, (b, hidden), BF16)), "r": ops.asarray(rnd(rng, (b, hidden), BF16))}
+
+    def host_batch(ctx):
+        return contiguous_batch([[1]] * b, ctx, tables, list(range(b)), bs)
+
+    dev = ops.upload_batch(host_batch(ctx))
+
+    def step():
+        h, res = ops.add_rms_norm(static["x"], static["r"], w_norm, 1e-6, 1.0)
+        qkv = ops.linear(h, w_qkv)
+        q = qkv[:, : hq * d].reshape(b, hq, d)
+        k = qkv[:, hq * d: (hq + hk) * d].reshape(b, hk, d)
+        v = qkv[:, (hq + hk) * d:].reshape(b, hk, d)
+        q, k = ops.rope(q, k, dev.positions, inv_freq, d)
+        ops.write_kv(k, v, kc, vc, dev)
+        o = ops.attention(q, kc, vc, dev, d ** -0.5)
+        return ops.sigmoid_mul(o.reshape(b, hq * d), h)
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        for _ in range(2):
+            step()                                        # warm the pool and the kernel cache
+        stream.synchronize()
+        stream.begin_capture()
+        out_graph = step()
+        graph = stream.end_capture()
+        # new inputs in the same buffers, one more token per sequence
+        ctx2 = [c + 1 for c in ctx]
+        nb_ = host_batch(ctx2)
+        for f in ("positions", "seq_lens", "slot_mapping", "query_start_loc"):
+            getattr(dev, f).set(np.ascontiguousarray(getattr(nb_, f), np.int32), stream=stream)
+        static["x"].set(rnd(rng, (b, hidden), BF16), stream=stream)
+        graph.launch(stream)
+        stream.synchronize()
+        got = ops.to_numpy(out_graph).copy()
+        expect = ops.to_numpy(step())
+        stream.synchronize()
+    check(got, expect, BF16, "graph replay vs eager")
+    assert np.array_equal(f32(got), f32(expect)), "graph replay must be bit-identical to the eager ops"
