@@ -1,0 +1,320 @@
+"""Load a llama.cpp GGUF file as a Checkpoint in HF Llama form.
+
+- Tensors are renamed to HF Llama names (`blk.N.attn_q.weight` -> `model.layers.N.self_attn.q_proj.weight`,
+  ...) and dequantized to float32 with `gguf.quants.dequantize` when they are accessed (the mapping
+  is lazy, so only one dequantized tensor need be in memory at a time; each access dequantizes
+  afresh, so read each tensor once). Q and K rows get llama.cpp's converter permutation undone, as
+  HF transformers' GGUF loader does, so they match the HF checkpoint the GGUF was made from.
+- The config is synthesized in HF Llama form from the `llama.*` metadata.
+- The tokenizer is rebuilt in HF `tokenizers` JSON form from the `tokenizer.ggml.*` metadata and
+  written to a content-addressed cache file, whose path becomes `Checkpoint.tokenizer_json`.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import tempfile
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor, TokenType
+from gguf.quants import dequantize
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from metrale.models.checkpoint import Checkpoint, CheckpointError
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_QUANT_TYPES = tuple(
+    GGMLQuantizationType[t] for t in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"))
+SUPPORTED_TOKENIZER_MODELS = ("gpt2",)
+# llama.cpp pre-tokenizer names whose split is GPT-2's byte-level regex.
+SUPPORTED_PRE_TOKENIZERS = ("default", "gpt2", "gpt-2", "smollm")
+
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_GLOBAL_NAME = re.compile(r"(\w+)\.(weight|bias)")
+
+
+def load_gguf(path: str, cache_dir: str | None = None, name: str | None = None) -> Checkpoint:
+    """A Checkpoint over the GGUF file at `path` (see the module docstring)."""
+    reader = open_reader(path)
+    meta = GGUFMetadata(reader, path)
+    architecture = meta.get("general.architecture")
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise CheckpointError(
+            f"{path}: GGUF architecture {architecture!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    config = llama_config(meta, has_output=any(t.name == "output.weight" for t in reader.tensors))
+    tensors = GGUFTensors(reader, path, config)
+    tokenizer = build_tokenizer(meta)
+    return Checkpoint(
+        config=config,
+        tensors=tensors,
+        path=path,
+        name=name or os.path.basename(path).removesuffix(".gguf"),
+        generation_config=_generation_config(meta),
+        tokenizer_json=write_tokenizer_json(tokenizer, path, cache_dir),
+        tokenizer_config=_tokenizer_config(meta),
+        chat_template=meta.get("tokenizer.chat_template"),
+        tensor_files={n: path for n in tensors},
+    )
+
+
+def open_reader(path: str) -> GGUFReader:
+    """GGUFReader over `path`, with every way a truncated or corrupt file fails as CheckpointError."""
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # the reader fails with whatever numpy/struct raises on short reads
+        raise CheckpointError(
+            f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {e}); re-download it") from e
+    size = os.path.getsize(path)
+    for tensor in reader.tensors:
+        if tensor.data_offset + tensor.n_bytes > size:
+            raise CheckpointError(
+                f"{path}: truncated GGUF file: tensor '{tensor.name}' ends at byte "
+                f"{tensor.data_offset + tensor.n_bytes}, the file has {size}; re-download it")
+    return reader
+
+
+class GGUFMetadata:
+    """Typed access to a GGUF file's key/value metadata."""
+
+    def __init__(self, reader: GGUFReader, path: str):
+        self._fields = reader.fields
+        self.path = path
+
+    def get(self, key: str, default=None):
+        field = self._fields.get(key)
+        return default if field is None else field.contents()
+
+    def require(self, key: str):
+        value = self.get(key)
+        if value is None:
+            raise CheckpointError(f"{self.path}: GGUF metadata key '{key}' is missing; the file "
+                                  f"was not written by a llama.cpp converter we understand")
+        return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+
+
+def llama_config(meta: GGUFMetadata, has_output: bool) -> dict:
+    """HF LlamaConfig-style dict from the `llama.*` metadata."""
+    hidden = int(meta.require("llama.embedding_length"))
+    heads = int(meta.require("llama.attention.head_count"))
+    rope_theta = _float32_value(meta.get("llama.rope.freq_base", 10000.0))
+    vocab = meta.get("llama.vocab_size") or len(meta.require("tokenizer.ggml.tokens"))
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": int(meta.require("llama.feed_forward_length")),
+        "num_hidden_layers": int(meta.require("llama.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", heads)),
+        "head_dim": int(meta.get("llama.attention.key_length", hidden // heads)),
+        "rms_norm_eps": _float32_value(meta.require("llama.attention.layer_norm_rms_epsilon")),
+        "rope_theta": rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
+        "max_position_embeddings": int(meta.require("llama.context_length")),
+        "vocab_size": int(vocab),
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": not has_output,
+    }
+    for key in ("bos", "eos", "pad"):
+        token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if token_id is not None:
+            config[f"{key}_token_id"] = int(token_id)
+    return config
+
+
+def _float32_value(value: float) -> float:
+    """The value a float32 metadata field was written from (1e-05, not 9.99999974e-06)."""
+    return float(str(np.float32(value)))
+
+
+def _generation_config(meta: GGUFMetadata) -> dict:
+    """Stop on eos (and end-of-turn when the file names a different one), like llama.cpp does."""
+    config = {}
+    bos, eos, eot = (meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "eot"))
+    if bos is not None:
+        config["bos_token_id"] = int(bos)
+    if eos is not None:
+        config["eos_token_id"] = int(eos) if eot in (None, eos) else [int(eos), int(eot)]
+    return config
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors
+
+
+class GGUFTensors(Mapping):
+    """HF Llama tensor names -> float32 arrays, dequantized (and un-permuted) on access."""
+
+    def __init__(self, reader: GGUFReader, path: str, config: dict):
+        self.path = path
+        self._heads = config["num_attention_heads"]
+        self._kv_heads = config["num_key_value_heads"]
+        self._tensors: dict[str, ReaderTensor] = {}
+        for tensor in reader.tensors:
+            self._check_type(tensor)
+            self._tensors[hf_tensor_name(tensor.name, path)] = tensor
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        tensor = self._tensors[name]
+        weights = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        if name.endswith("self_attn.q_proj.weight"):
+            return unpermute_rows(weights, self._heads)
+        if name.endswith("self_attn.k_proj.weight"):
+            return unpermute_rows(weights, self._kv_heads)
+        return weights
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def _check_type(self, tensor: ReaderTensor) -> None:
+        if tensor.tensor_type not in SUPPORTED_QUANT_TYPES:
+            raise CheckpointError(
+                f"{self.path}: tensor '{tensor.name}' is {tensor.tensor_type.name}, which is not "
+                f"supported; supported GGUF types: "
+                f"{', '.join(t.name for t in SUPPORTED_QUANT_TYPES)} (re-quantize the model to one of them)")
+
+
+def hf_tensor_name(gguf_name: str, path: str) -> str:
+    """HF Llama name of a GGUF tensor; CheckpointError for tensors Llama has no place for."""
+    layer = _LAYER_NAME.fullmatch(gguf_name)
+    if layer and layer.group(2) in _LAYER_TENSORS:
+        return f"model.layers.{layer.group(1)}.{_LAYER_TENSORS[layer.group(2)]}.{layer.group(3)}"
+    top = _GLOBAL_NAME.fullmatch(gguf_name)
+    if top and top.group(1) in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[top.group(1)]}.{top.group(2)}"
+    raise CheckpointError(
+        f"{path}: GGUF tensor '{gguf_name}' has no HF Llama counterpart (llama.cpp variants with "
+        f"extra tensors, e.g. MoE experts or rope_freqs for Llama 3 rope scaling, are not supported)")
+
+
+def unpermute_rows(weights: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's convert_hf_to_gguf Q/K permutation (rotary halves -> interleaved pairs).
+
+    The converter reshaped each head's rows as (2, head_dim/2) and swapped them to (head_dim/2, 2);
+    this is the inverse, as in transformers' LlamaTensorProcessor.
+    """
+    half = weights.shape[0] // n_heads // 2
+    return (weights.reshape(n_heads, half, 2, *weights.shape[1:])
+            .swapaxes(1, 2).reshape(weights.shape))
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def build_tokenizer(meta: GGUFMetadata) -> Tokenizer:
+    """A byte-level BPE `tokenizers.Tokenizer` from the `tokenizer.ggml.*` metadata."""
+    model = meta.require("tokenizer.ggml.model")
+    if model not in SUPPORTED_TOKENIZER_MODELS:
+        raise CheckpointError(
+            f"{meta.path}: tokenizer.ggml.model {model!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_TOKENIZER_MODELS)} (byte-level BPE)")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in SUPPORTED_PRE_TOKENIZERS:
+        raise CheckpointError(
+            f"{meta.path}: tokenizer.ggml.pre {pre!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_PRE_TOKENIZERS)}")
+    tokens = list(meta.require("tokenizer.ggml.tokens"))
+    merges = [tuple(m.split(" ", 1)) for m in meta.require("tokenizer.ggml.merges")]
+    tokenizer = Tokenizer(models.BPE(
+        vocab={token: i for i, token in enumerate(tokens)}, merges=merges,
+        continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = _post_processor(meta, tokens)
+    tokenizer.add_tokens(_added_tokens(tokens, meta.get("tokenizer.ggml.token_type")))
+    return tokenizer
+
+
+def _added_tokens(tokens: list[str], token_types) -> list[AddedToken]:
+    """Control tokens as special added tokens, user-defined ones as plain added tokens."""
+    if token_types is None:
+        return []
+    kinds = {TokenType.CONTROL: True, TokenType.USER_DEFINED: False}
+    return [AddedToken(tokens[i], special=kinds[kind], normalized=False)
+            for i, kind in enumerate(token_types) if kind in kinds]
+
+
+def _post_processor(meta: GGUFMetadata, tokens: list[str]):
+    """Prepend BOS when the file says so (tokenizer.ggml.add_bos_token), else add nothing."""
+    bos_id = meta.get("tokenizer.ggml.bos_token_id")
+    if not meta.get("tokenizer.ggml.add_bos_token", False) or bos_id is None:
+        return processors.ByteLevel(trim_offsets=False)
+    bos = tokens[int(bos_id)]
+    return processors.TemplateProcessing(
+        single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 $B:1", special_tokens=[(bos, int(bos_id))])
+
+
+def _tokenizer_config(meta: GGUFMetadata) -> dict:
+    """tokenizer_config.json-style fields: special token strings and whether BOS is added."""
+    tokens = meta.require("tokenizer.ggml.tokens")
+    config = {"add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False))}
+    for key, field in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"),
+                       ("pad_token", "padding")):
+        token_id = meta.get(f"tokenizer.ggml.{field}_token_id")
+        if token_id is not None:
+            config[key] = tokens[int(token_id)]
+    return config
+
+
+def write_tokenizer_json(tokenizer: Tokenizer, gguf_path: str, cache_dir: str | None) -> str:
+    """Write the tokenizer to `<cache>/gguf/<content hash>/tokenizer.json` once; return its path.
+
+    The cache is `<cache_dir>/metrale` when `cache_dir` is given, else $XDG_CACHE_HOME/metrale,
+    else ~/.cache/metrale.
+    """
+    text = tokenizer.to_str()
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+    folder = os.path.join(_metrale_cache(cache_dir), "gguf", digest)
+    target = os.path.join(folder, "tokenizer.json")
+    if os.path.isfile(target):
+        return target
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=folder, delete=False,
+                                         suffix=".tmp") as f:
+            f.write(text)
+        os.replace(f.name, target)
+    except OSError as e:
+        raise CheckpointError(
+            f"{gguf_path}: cannot write the tokenizer built from its metadata to {target} ({e}); "
+            f"pass a writable cache_dir") from e
+    return target
+
+
+def _metrale_cache(cache_dir: str | None) -> str:
+    if cache_dir:
+        return os.path.join(os.path.expanduser(cache_dir), "metrale")
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "metrale")
