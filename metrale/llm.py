@@ -11,14 +11,14 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from metrale.chat import ChatTemplate
+from metrale.chat import load_chat_template, normalize_messages
 from metrale.config import EngineConfig
 from metrale.core import EngineCore
 from metrale.models.loader import load_checkpoint
 from metrale.request import Request
 from metrale.runner import SampledToken
 from metrale.sampling import SamplingParams, apply_generation_defaults
-from metrale.tokenizer import IncrementalDetokenizer, Tokenizer
+from metrale.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 
 
 @dataclass
@@ -35,12 +35,31 @@ class LLM:
     def __init__(self, model: str, *, cache_dir: str | None = None,
                  disable_template_overrides: bool = False, **engine_kwargs):
         self.checkpoint = load_checkpoint(model, cache_dir=cache_dir)
-        self.tokenizer = Tokenizer.from_checkpoint(self.checkpoint)
-        self.chat_template = ChatTemplate.from_checkpoint(
-            self.checkpoint, disable_overrides=disable_template_overrides)
+        self.tokenizer = self._tokenizer(self.checkpoint)
+        self._disable_overrides = disable_template_overrides
+        self._chat_template = None
         self.core = EngineCore(self.checkpoint, EngineConfig(**engine_kwargs))
-        self.core.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        if self.tokenizer is not None:
+            self.core.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self._ids = itertools.count()
+
+    @staticmethod
+    def _tokenizer(ckpt) -> Tokenizer | None:
+        """The checkpoint's tokenizer; None for tokenizer-less checkpoints (token-id prompts
+        only, no text out), like vLLM's skip_tokenizer_init."""
+        try:
+            return Tokenizer.from_checkpoint(ckpt)
+        except TokenizerError:
+            return None
+
+    @property
+    def chat_template(self):
+        if self._chat_template is None:
+            self._chat_template = load_chat_template(
+                self.checkpoint.model_type, self.checkpoint.chat_template,
+                special_tokens=self.tokenizer.special_tokens_map if self.tokenizer else None,
+                disable_overrides=self._disable_overrides)
+        return self._chat_template
 
     def default_params(self, **overrides) -> SamplingParams:
         """Sampling parameters with the model's generation_config.json as defaults."""
@@ -66,8 +85,9 @@ class LLM:
                              sampling_params)
 
     def render_chat(self, messages, tools=None, add_generation_prompt: bool = True, **kwargs) -> str:
-        return self.chat_template.render(messages, tools=tools,
-                                         add_generation_prompt=add_generation_prompt, **kwargs)
+        return self.chat_template.render(
+            normalize_messages(messages, self.chat_template.content_format), tools=tools,
+            add_generation_prompt=add_generation_prompt, chat_template_kwargs=kwargs)
 
     # -- the loop ---------------------------------------------------------------------------
     def _run(self, token_lists, params) -> list[GenerationResult]:
@@ -80,7 +100,8 @@ class LLM:
                 rid = f"llm-{next(self._ids)}"
                 self.core.add_request(Request(rid, list(toks), p))
                 results[rid] = GenerationResult(prompt_token_ids=list(toks))
-                detoks[rid] = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
+                if self.tokenizer is not None:
+                    detoks[rid] = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
                 order.append(rid)
         while self.core.has_unfinished():
             for out in self.core.step():
@@ -89,9 +110,12 @@ class LLM:
                     continue
                 res.token_ids.extend(out.new_token_ids)
                 res.logprobs.extend(lp for lp in out.new_logprobs if lp.logprob is not None)
-                res.text += detoks[out.request_id].add(out.new_token_ids)
+                detok = detoks.get(out.request_id)
+                if detok is not None:
+                    res.text += detok.add(out.new_token_ids)
                 res.num_cached_tokens = out.num_cached_tokens
                 if out.finished:
                     res.finish_reason = out.finish_reason
-                    res.text += detoks[out.request_id].flush()
+                    if detok is not None:
+                        res.text += detok.flush()
         return [results[rid] for rid in order]
