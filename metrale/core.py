@@ -54,24 +54,57 @@ class EngineCore:
     def __init__(self, ckpt: Checkpoint, config: EngineConfig | None = None):
         self.config = (config or EngineConfig()).validate()
         self.ops = make_ops(self.config)
+        if self.ops.name == "cuda":
+            # every kernel of the engine runs on one non-default stream (graphs capture on it)
+            self.stream = self.ops.cp.cuda.Stream(non_blocking=True)
+            self.stream.use()
         self.model = build_model(ckpt, self.ops)
         spec = self.model.cache_spec()
         self.hybrid = bool(spec.gdn_layers)
-        num_blocks = self._num_kv_blocks(spec)
         num_slots = max(1, Scheduler.num_state_slots_needed(self.config, self.hybrid))
-        self.caches = ModelCaches(spec, self.ops, num_blocks=num_blocks,
-                                  block_size=self.config.block_size, num_state_slots=num_slots)
+        num_blocks = self._num_kv_blocks(spec, num_slots)
+        # one spare KV block and state row past the scheduler's: padding rows of captured
+        # decode graphs write there
+        self.caches = ModelCaches(spec, self.ops, num_blocks=num_blocks + 1,
+                                  block_size=self.config.block_size,
+                                  num_state_slots=num_slots + 1)
         self.scheduler = Scheduler(self.config, num_kv_blocks=num_blocks,
                                    num_state_slots=num_slots, hybrid=self.hybrid)
         self.runner = ModelRunner(self.model, self.ops, self.caches, self.config.block_size,
                                   seed=self.config.seed)
+        if self.ops.name == "cuda":
+            self._setup_cuda(num_blocks, num_slots)
         self.eos_token_ids: frozenset[int] = frozenset()
         self.last_step: StepStats | None = None
-        log.info("engine ready: %s on %s, %d KV blocks x %d tokens, %d state slots",
-                 ckpt.model_type, self.ops.name, num_blocks, self.config.block_size, num_slots)
+        log.info("engine ready: %s on %s; KV pool %d blocks x %d tokens (%.1f MiB), "
+                 "state pool %d rows (%.1f MiB)", ckpt.model_type, self.ops.name, num_blocks,
+                 self.config.block_size,
+                 num_blocks * spec.kv_bytes_per_block(self.config.block_size, self.ops.dtype) / 2**20,
+                 num_slots, num_slots * spec.state_bytes_per_slot(self.ops.dtype) / 2**20)
 
-    def _num_kv_blocks(self, spec) -> int:
+    def _setup_cuda(self, num_blocks: int, num_slots: int) -> None:
+        from metrale.backends.cuda_sampling import GpuSampler
+        from metrale.cuda_graphs import DecodeGraphs
+
         cfg = self.config
+        self.runner.gpu_sampler = GpuSampler(
+            self.ops, self.model.vocab_size, max_batch=cfg.max_batch_size,
+            num_slots=max(cfg.max_batch_size, num_slots), seed=cfg.seed)
+        if cfg.profile:
+            log.info("--profile: CUDA graphs off, kernels run eagerly")
+            return
+        graphs = DecodeGraphs(self.model, self.ops, self.caches, cfg.max_batch_size,
+                              max_blocks_per_seq=-(-cfg.max_seq_len // cfg.block_size),
+                              spare_block=num_blocks, spare_slot=num_slots)
+        graphs.capture()
+        self.runner.graphs = graphs
+        log.info("captured %d decode graphs (batch buckets %s)", len(graphs.graphs),
+                 sorted(graphs.graphs))
+
+    def _num_kv_blocks(self, spec, num_slots: int) -> int:
+        cfg = self.config
+        if not spec.attention_layers:
+            return 2
         if cfg.num_kv_blocks:
             return cfg.num_kv_blocks
         per_block = max(1, spec.kv_bytes_per_block(cfg.block_size, self.ops.dtype))
@@ -79,8 +112,27 @@ class EngineCore:
         if self.ops.name == "cpu":
             budget = (cfg.kv_cache_memory_mb or _CPU_KV_BUDGET_MB) * 2**20
         else:
-            budget = self.ops.free_memory_bytes(cfg.gpu_memory_utilization, cfg.oom_guard_mb)
-        return max(2, min(wanted, budget // per_block)) if spec.attention_layers else 2
+            budget = self._gpu_kv_budget(spec, num_slots)
+        return max(2, min(wanted, budget // per_block))
+
+    def _gpu_kv_budget(self, spec, num_slots: int) -> int:
+        """Bytes left for the KV pool: --gpu-memory-utilization of the card, less what the
+        weights already hold, the GDN state pool and --oom-guard-mb (activations, graphs,
+        sampler)."""
+        cfg = self.config
+        free, total = self.ops.cp.cuda.runtime.memGetInfo()
+        state = (num_slots + 1) * spec.state_bytes_per_slot(self.ops.dtype)
+        budget = int(total * cfg.gpu_memory_utilization) - (total - free) - state \
+            - cfg.oom_guard_mb * 2**20
+        log.info("GPU memory: %.1f GiB total, %.1f GiB in use (weights), state pool %.1f MiB, "
+                 "guard %d MiB, KV budget %.1f GiB", total / 2**30, (total - free) / 2**30,
+                 state / 2**20, cfg.oom_guard_mb, budget / 2**30)
+        if budget <= 0:
+            raise MemoryError(
+                f"no GPU memory left for the KV cache ({budget / 2**20:.0f} MiB): raise "
+                f"--gpu-memory-utilization, lower --oom-guard-mb, --max-batch-size or "
+                f"--ssm-cache-slots, or use a smaller model")
+        return budget
 
     # -- requests ---------------------------------------------------------------------------
     def can_admit(self) -> bool:

@@ -33,6 +33,9 @@ class ModelRunner:
         self._seed = seed
         self._num_generators_made = 0
         self._generators: dict[str, np.random.Generator] = {}
+        self.graphs = None          # metrale.cuda_graphs.DecodeGraphs on the CUDA backend
+        self.gpu_sampler = None     # metrale.backends.cuda_sampling.GpuSampler on CUDA
+        self._sampler_slot: dict[str, int] = {}
 
     # -- per-request state ----------------------------------------------------------------
     def _generator(self, request) -> np.random.Generator:
@@ -46,6 +49,7 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """Forget a finished or aborted request's sampler state."""
         self._generators.pop(request_id, None)
+        self._sampler_slot.pop(request_id, None)
 
     # -- the step ---------------------------------------------------------------------------
     def build_batch(self, out) -> ForwardBatch:
@@ -82,13 +86,45 @@ class ModelRunner:
         if not out.seqs:
             return {}
         batch = self.build_batch(out)
-        logits = self.model.forward(self.ops.upload_batch(batch), self.caches)
+        if self.graphs is not None and self.graphs.supports(batch):
+            logits = self.graphs.run(batch)           # one row per sequence
+            rows = [i for i, s in enumerate(out.seqs) if s.sample]
+            if len(rows) != len(out.seqs):
+                logits = logits[np.asarray(rows)]
+        else:
+            logits = self.model.forward(self.ops.upload_batch(batch), self.caches)
         for src, dst in out.state_saves:
             self.caches.copy_state(src, dst)
         sampling = [s for s in out.seqs if s.sample]
         if not sampling:
             return {}
+        if self.gpu_sampler is not None:
+            return self._sample_gpu(logits, sampling)
         return self._sample(self.ops.to_numpy(logits), [s.request for s in sampling])
+
+    def _sample_gpu(self, logits, seqs) -> dict[str, SampledToken]:
+        """Sample on the device (one device->host copy of the chosen ids); penalty counts live
+        in the sampler's row of the sequence's slot."""
+        for s in seqs:
+            r = s.request
+            if self._sampler_slot.get(r.request_id) != s.state_slot:
+                self.gpu_sampler.begin(s.state_slot, r.prompt_token_ids)
+                self._sampler_slot[r.request_id] = s.state_slot
+        params = [s.request.sampling_params for s in seqs]
+        want_lp = any(p.logprobs is not None for p in params)
+        res = self.gpu_sampler.sample(
+            logits, params, [len(s.request.output_token_ids) for s in seqs],
+            slots=[s.state_slot for s in seqs], logprobs=want_lp)
+        if not want_lp:
+            return {s.request.request_id: SampledToken(int(t)) for s, t in zip(seqs, res)}
+        sampled = {}
+        for i, s in enumerate(seqs):
+            k = s.request.sampling_params.logprobs
+            top = None if k is None else [
+                (int(t), float(lp)) for t, lp in zip(res.top_ids[i][:k], res.top_logprobs[i][:k])]
+            sampled[s.request.request_id] = SampledToken(
+                int(res.tokens[i]), None if k is None else float(res.logprobs[i]), top)
+        return sampled
 
     def _sample(self, logits: np.ndarray, requests) -> dict[str, SampledToken]:
         logits = np.asarray(logits, dtype=np.float32)

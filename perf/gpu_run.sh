@@ -32,6 +32,7 @@ echo "== GPU tests"
 "$PY" -m pytest -m gpu -q -rfEs --timeout 1200 ${PYTEST_ARGS:-} tests 2>&1 | tee "$OUTDIR/pytest_gpu.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
+if [ -z "${SKIP_OPS:-}" ]; then
 echo "== kernel resources (sm_90)"
 "$PY" -m pytest -q -s tests/test_kernels_compile.py 2>&1 | tee "$OUTDIR/kernels_compile.log" | tail -n 5
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
@@ -39,6 +40,16 @@ echo "== kernel resources (sm_90)"
 echo "== op benchmarks"
 "$PY" perf/bench_ops.py --out "$OUTDIR" ${QUICK:+--quick} 2>&1 | tee "$OUTDIR/bench_ops.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+fi
+
+# the concurrency ladder, engine-only (perf/ladder.py); LADDER="" skips it
+for shape in ${LADDER-smollm2_135m qwen3_5_9b qwen3_5_27b qwen3_5_35b_a3b}; do
+  echo "== ladder $shape"
+  "$PY" perf/ladder.py --shape "$shape" --osl "${LADDER_OSL:-256}" --conc "${LADDER_CONC:-1,2,4,8,16,32,64,128}" \
+    --reps "${LADDER_REPS:-3}" --out "$OUTDIR" 2>&1 | tee "$OUTDIR/ladder_$shape.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+done
 
 echo "gpu_run.sh: status $status, logs in $OUTDIR"
 exit $status

@@ -1,0 +1,246 @@
+"""The concurrency ladder, engine-only (no HTTP): the seed's workload on real model shapes with
+synthetic bf16 weights made on the GPU. A benchmark, not a test.
+
+    python perf/ladder.py --shape qwen3_5_9b --osl 256 --conc 1,2,4,8,16,32,64,128 --out DIR
+
+Per rung: C requests of ISL random prompt tokens, OSL generated tokens each (ignore_eos,
+temperature 0), 1 warm-up + REPS timed repetitions; reported: aggregate tok/s (mean of reps),
+TTFT p50, ITL p50 ((last - first token time) / (OSL - 1)), and the steady decode step time
+against its roofline: the bytes one decode step must move (every weight once, the lm_head once,
+each sequence's KV and GDN state once) over the measured copy bandwidth.
+Results: JSON in --out (perf/results by default) with commit, date, device, shape and figures.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+COPY_BW = 4.2e12   # measured H200 device-to-device copy, bytes/s (re-measured per run below)
+
+SHAPES = {
+    "smollm2_135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         vocab_size=49152, rms_norm_eps=1e-5, rope_theta=100000.0,
+                         tie_word_embeddings=True, max_position_embeddings=8192),
+    "qwen3_5_9b": dict(model_type="qwen3_5", vocab_size=248320, hidden_size=4096,
+                       intermediate_size=12288, num_hidden_layers=32, num_attention_heads=16,
+                       num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+                       linear_num_value_heads=32, linear_key_head_dim=128,
+                       linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4),
+    "qwen3_5_27b": dict(model_type="qwen3_5", vocab_size=248320, hidden_size=5120,
+                        intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
+                        num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+                        linear_num_value_heads=48, linear_key_head_dim=128,
+                        linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4),
+    "qwen3_5_35b_a3b": dict(model_type="qwen3_5_moe"),
+}
+
+
+def hf_config(shape: str):
+    """The HF text config of a shape (transformers' defaults fill the rest)."""
+    from transformers import AutoConfig
+
+    kw = dict(SHAPES[shape])
+    model_type = kw.pop("model_type")
+    hf_type = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}.get(model_type,
+                                                                                  model_type)
+    return AutoConfig.for_model(hf_type, **kw), model_type
+
+
+def tensor_shapes(config) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of every weight, from HF's model built on the meta device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+class SyntheticTensors(Mapping):
+    """Random bf16 weights generated on the GPU on first access (|w| in [2^-7, 2^-5), random
+    sign: never zeros, which time differently)."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]]):
+        import cupy as cp
+        import ml_dtypes
+
+        self.cp, self.bf16 = cp, np.dtype(ml_dtypes.bfloat16)
+        self.shapes = shapes
+
+    def __getitem__(self, name):
+        cp = self.cp
+        shape = self.shapes[name]
+        bits = cp.random.randint(0x3C00, 0x3D00, size=shape, dtype=cp.int32).astype(cp.uint16)
+        bits |= (cp.random.randint(0, 2, size=shape, dtype=cp.int32).astype(cp.uint16) << 15)
+        return bits.view(self.bf16)
+
+    def __iter__(self):
+        return iter(self.shapes)
+
+    def __len__(self):
+        return len(self.shapes)
+
+
+def synthetic_checkpoint(shape: str):
+    from metrale.models.checkpoint import Checkpoint
+
+    config, model_type = hf_config(shape)
+    shapes = tensor_shapes(config)
+    cfg = config.to_dict()
+    cfg["model_type"] = model_type
+    return Checkpoint(config=cfg, tensors=SyntheticTensors(shapes), path=f"synthetic:{shape}",
+                      name=shape), shapes
+
+
+def decode_step_bytes(shapes, cfg, batch: int, context: int) -> int:
+    """Fewest bytes one decode step moves: weights once (the embedding table only B rows), each
+    sequence's KV and GDN state once."""
+    weights = sum(int(np.prod(s)) * 2 for n, s in shapes.items() if "embed_tokens" not in n)
+    if "lm_head.weight" not in shapes:
+        weights += cfg["vocab_size"] * cfg["hidden_size"] * 2
+    layer_types = cfg.get("layer_types") or ["full_attention"] * cfg["num_hidden_layers"]
+    n_attn = sum(t == "full_attention" for t in layer_types)
+    n_gdn = len(layer_types) - n_attn
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv = batch * context * n_attn * cfg["num_key_value_heads"] * hd * 2 * 2
+    state = 0
+    if n_gdn:
+        state = batch * n_gdn * cfg["linear_num_value_heads"] * cfg["linear_key_head_dim"] \
+            * cfg["linear_value_head_dim"] * 4 * 2
+    return weights + kv + state
+
+
+def measure_copy_bw() -> float:
+    import cupy as cp
+
+    a = cp.empty(2**30, dtype=cp.uint8)
+    b = cp.empty_like(a)
+    for _ in range(3):
+        b[...] = a
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record()
+    for _ in range(10):
+        b[...] = a
+    end.record()
+    end.synchronize()
+    seconds = cp.cuda.get_elapsed_time(start, end) / 1000 / 10
+    del a, b
+    return 2 * 2**30 / seconds
+
+
+def run_rung(core, conc: int, isl: int, osl: int, vocab: int, rng) -> dict:
+    from metrale.request import Request
+    from metrale.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=osl, temperature=0, ignore_eos=True)
+    t0 = time.perf_counter()
+    first, last = {}, {}
+    for i in range(conc):
+        ids = [int(t) for t in rng.integers(100, vocab - 100, isl)]
+        core.add_request(Request(f"c{conc}-{i}-{t0}", ids, params))
+    decode_steps = []
+    while core.has_unfinished():
+        s0 = time.perf_counter()
+        outs = core.step()
+        now = time.perf_counter()
+        st = core.last_step
+        if st and st.num_seqs == conc and st.num_tokens == conc:
+            decode_steps.append(now - s0)
+        for o in outs:
+            if o.new_token_ids:
+                first.setdefault(o.request_id, now)
+                last[o.request_id] = now
+    wall = time.perf_counter() - t0
+    ttft = [first[r] - t0 for r in first]
+    itl = [(last[r] - first[r]) / max(1, osl - 1) for r in first]
+    return dict(tok_s=conc * osl / wall, wall_s=wall, ttft_p50_ms=1e3 * statistics.median(ttft),
+                itl_p50_ms=1e3 * statistics.median(itl),
+                decode_step_p50_ms=1e3 * statistics.median(decode_steps) if decode_steps else None)
+
+
+def git_commit() -> str:
+    env = os.environ.get("GIT_COMMIT")
+    if env:
+        return env
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return "unknown"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="qwen3_5_9b", choices=sorted(SHAPES))
+    ap.add_argument("--isl", type=int, default=128)
+    ap.add_argument("--osl", type=int, default=256)
+    ap.add_argument("--conc", default="1,2,4,8,16,32,64,128")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default="perf/results")
+    args = ap.parse_args(argv)
+    import cupy as cp
+
+    from metrale.config import EngineConfig
+    from metrale.core import EngineCore
+
+    rungs = [int(c) for c in args.conc.split(",")]
+    bw = measure_copy_bw()
+    t0 = time.perf_counter()
+    ckpt, shapes = synthetic_checkpoint(args.shape)
+    core = EngineCore(ckpt, EngineConfig(
+        device="cuda", max_seq_len=args.isl + args.osl + 32, max_batch_size=max(rungs),
+        max_num_seqs=max(rungs), max_prefill_tokens=max(8192, args.isl * 8), seed=0))
+    load_s = time.perf_counter() - t0
+    cfg = ckpt.config
+    rng = np.random.default_rng(0)
+    results = []
+    for conc in rungs:
+        run_rung(core, conc, args.isl, args.osl, cfg["vocab_size"], rng)   # warm-up
+        reps = [run_rung(core, conc, args.isl, args.osl, cfg["vocab_size"], rng)
+                for _ in range(args.reps)]
+        step = [r["decode_step_p50_ms"] for r in reps if r["decode_step_p50_ms"]]
+        ctx = args.isl + args.osl // 2
+        roof_ms = 1e3 * decode_step_bytes(shapes, cfg, conc, ctx) / bw
+        row = dict(concurrency=conc, tok_s=statistics.mean(r["tok_s"] for r in reps),
+                   tok_s_reps=[r["tok_s"] for r in reps],
+                   ttft_p50_ms=statistics.median(r["ttft_p50_ms"] for r in reps),
+                   itl_p50_ms=statistics.median(r["itl_p50_ms"] for r in reps),
+                   decode_step_p50_ms=statistics.median(step) if step else None,
+                   decode_roofline_ms=roof_ms)
+        row["step_over_roofline"] = (row["decode_step_p50_ms"] / roof_ms
+                                     if row["decode_step_p50_ms"] else None)
+        results.append(row)
+        print(f"{args.shape} C={conc:4d}  {row['tok_s']:10.1f} tok/s  TTFT p50 "
+              f"{row['ttft_p50_ms']:8.1f} ms  ITL p50 {row['itl_p50_ms']:7.2f} ms  step "
+              f"{row['decode_step_p50_ms'] or 0:7.2f} ms  roofline {roof_ms:6.2f} ms", flush=True)
+    params = sum(int(np.prod(s)) for s in shapes.values())
+    record = dict(benchmark="ladder_engine_only", commit=git_commit(),
+                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                  device=cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+                  copy_bandwidth_Bps=bw, shape=args.shape, model_config=SHAPES[args.shape],
+                  params=params, dtype="bfloat16", isl=args.isl, osl=args.osl, reps=args.reps,
+                  load_seconds=load_s, rungs=results)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
+    path = out / f"ladder_{args.shape}_osl{args.osl}_{stamp}.json"
+    path.write_text(json.dumps(record, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
