@@ -4,9 +4,11 @@ Measures the ceilings first (device-to-device copy bandwidth, bf16 GEMM rate at 
   * cuBLAS decode GEMMs (our ctypes handle) at M = 1, 8, 64, 128 for [in x out] = 4096x12288,
     12288x4096, 4096x248320 (the lm head), eager and replayed from a captured CUDA graph, as a
     fraction of the copy bandwidth (bytes = weights + activations);
-  * decode attention (Qwen3.5-27B attention shape: 24 q / 4 kv heads of 256, block 16) at
-    B = 1..128 x context 1k..8k, from a captured graph, as a fraction of the copy bandwidth;
-  * prefill attention FLOP rate (causal, one sequence, 24/4 x 256 and 32/8 x 128).
+  * decode attention (Qwen3.5-27B attention shape: 24 q / 4 kv heads of 256, block 16; and
+    9/3 x 64) at B = 1..128 x context 1k..8k, from a captured graph, as a fraction of the copy
+    bandwidth, tensor-core ("mma") and CUDA-core ("simt") kernels side by side;
+  * prefill attention FLOP rate (causal, one sequence up to 16k, and a 2k chunk after 6k of
+    context; 24/4 x 256, 32/8 x 128, 9/3 x 64), both kernels.
 Writes perf/results/ops_<date>_<commit>.json (and a copy under --out) and prints a table.
 
     python perf/bench_ops.py [--out DIR] [--quick]
@@ -131,47 +133,66 @@ def decode_batch(b: int, ctx: int, bs: int, rng) -> tuple[ForwardBatch, int]:
     return batch, nb
 
 
-def bench_decode_attention(ops: CudaOps, copy_bw: float, quick: bool) -> list[dict]:
-    hq, hk, d, bs = 24, 4, 256, 16
-    rng = np.random.default_rng(0)
+ATTN_IMPLS = ("mma", "simt")   # CudaOps(attn_impl=...): tensor-core kernels and the CUDA-core fallback
+
+
+def bench_decode_attention(impls: dict, copy_bw: float, quick: bool) -> list[dict]:
+    """Decode attention from captured graphs, every impl on the same inputs (bytes = K and V of
+    every sequence read once + q and out). Shapes: Qwen3.5 (24/4 x 256) and SmolLM2-like (9/3 x 64).
+    The K/V pool is several times the L2 (50 MB), and sequences' blocks are shuffled."""
     rows = []
-    max_tokens = 128 * (8192 + bs)
-    kc = rand_bf16((max_tokens // bs + 2, bs, hk, d))
-    vc = rand_bf16((max_tokens // bs + 2, bs, hk, d))
-    for b in ((1, 8, 64, 128) if quick else (1, 2, 4, 8, 16, 32, 64, 128)):
-        for ctx in (1024, 2048, 4096, 8192):
-            batch, nb = decode_batch(b, ctx, bs, rng)
-            dev = ops.upload_batch(batch)
-            q = rand_bf16((b, hq, d))
-            k_, v_ = kc[:nb], vc[:nb]
-            nbytes = 2 * b * (ctx + 1) * hk * d * 2 + 2 * b * hq * d * 2
-            fn = lambda: ops.attention(q, k_, v_, dev, d ** -0.5)  # noqa: E731
-            try:
-                t = time_graph(fn, 10, 5 if quick else 20)
-                mode = "graph"
-            except Exception:
-                t, mode = time_gpu(fn, 20), "eager"
-            rows.append({"B": b, "context": ctx, "heads": [hq, hk, d], "bytes": nbytes, "s": t, "mode": mode,
-                         "frac_copy_bw": nbytes / t / copy_bw})
+    shapes = [(24, 4, 256, 16)] + ([] if quick else [(9, 3, 64, 16)])
+    for hq, hk, d, bs in shapes:
+        rng = np.random.default_rng(0)
+        max_tokens = 128 * (8192 + bs)
+        kc = rand_bf16((max_tokens // bs + 2, bs, hk, d))
+        vc = rand_bf16((max_tokens // bs + 2, bs, hk, d))
+        for b in ((1, 8, 64, 128) if quick else (1, 2, 4, 8, 16, 32, 64, 128)):
+            for ctx in (1024, 2048, 4096, 8192):
+                batch, nb = decode_batch(b, ctx, bs, rng)
+                q = rand_bf16((b, hq, d))
+                k_, v_ = kc[:nb], vc[:nb]
+                nbytes = 2 * b * (ctx + 1) * hk * d * 2 + 2 * b * hq * d * 2
+                row = {"B": b, "context": ctx, "heads": [hq, hk, d], "bytes": nbytes}
+                for name, ops in impls.items():
+                    dev = ops.upload_batch(batch)
+                    fn = lambda: ops.attention(q, k_, v_, dev, d ** -0.5)  # noqa: E731
+                    try:
+                        t = time_graph(fn, 10, 5 if quick else 20)
+                        mode = "graph"
+                    except Exception:
+                        t, mode = time_gpu(fn, 20), "eager"
+                    row[name] = {"s": t, "mode": mode, "frac_copy_bw": nbytes / t / copy_bw}
+                rows.append(row)
+        del kc, vc
     return rows
 
 
-def bench_prefill_attention(ops: CudaOps, quick: bool) -> list[dict]:
+def bench_prefill_attention(impls: dict, quick: bool) -> list[dict]:
+    """Causal prefill of one sequence (FLOPs = 4 * D * Hq * L(L+1)/2), and a 2k chunk continuing
+    a 6k context (FLOPs = 4 * D * Hq * sum of visible keys), every impl on the same inputs."""
     rows = []
-    for hq, hk, d in [(24, 4, 256), (32, 8, 128)]:
-        for L in ((1024, 4096) if quick else (1024, 4096, 8192)):
+    cases = [(L, 0) for L in ((1024, 4096) if quick else (1024, 4096, 8192, 16384))] + [(2048, 6144)]
+    for hq, hk, d in [(24, 4, 256), (32, 8, 128), (9, 3, 64)]:
+        for L, ctx in cases:
             bs = 16
-            nb = -(-L // bs) + 1
+            n = ctx + L
+            nb = -(-n // bs) + 1
             bt = np.arange(1, nb, dtype=np.int32)[None, :]
-            batch = ForwardBatch(np.zeros(L, np.int32), np.arange(L, dtype=np.int32), np.array([0, L], np.int32),
-                                 np.array([L], np.int32), bt, np.arange(bs, bs + L, dtype=np.int32),
-                                 np.zeros(1, np.int32), np.array([L - 1], np.int32), bs)
-            dev = ops.upload_batch(batch)
+            batch = ForwardBatch(np.zeros(L, np.int32), np.arange(ctx, n, dtype=np.int32),
+                                 np.array([0, L], np.int32), np.array([n], np.int32), bt,
+                                 np.arange(bs + ctx, bs + n, dtype=np.int32), np.zeros(1, np.int32),
+                                 np.array([L - 1], np.int32), bs)
             kc, vc = rand_bf16((nb, bs, hk, d)), rand_bf16((nb, bs, hk, d))
             q = rand_bf16((L, hq, d))
-            t = time_gpu(lambda: ops.attention(q, kc, vc, dev, d ** -0.5), 3 if quick else 10)
-            flops = 4 * d * hq * L * (L + 1) / 2
-            rows.append({"L": L, "heads": [hq, hk, d], "s": t, "flop_per_s": flops / t})
+            flops = 4 * d * hq * (L * ctx + L * (L + 1) / 2)
+            row = {"L": L, "context": ctx, "heads": [hq, hk, d], "flop": flops}
+            for name, ops in impls.items():
+                dev = ops.upload_batch(batch)
+                iters = 3 if (quick or name == "simt") else 10
+                t = time_gpu(lambda: ops.attention(q, kc, vc, dev, d ** -0.5), iters, warmup=1 if name == "simt" else 3)
+                row[name] = {"s": t, "flop_per_s": flops / t}
+            rows.append(row)
     return rows
 
 
@@ -194,14 +215,18 @@ def main() -> None:
         g = r["graph_frac_copy_bw"]
         print(f"{r['in']:>7}x{r['out']:<8} {r['M']:>4} {r['eager_s'] * 1e6:>9.1f} {r['graph_s'] * 1e6:>9.1f} "
               f"{100 * r['eager_frac_copy_bw']:>8.0f}% {(100 * g if g else float('nan')):>8.0f}%")
-    res["attention_decode"] = bench_decode_attention(ops, c["copy_bytes_per_s"], args.quick)
-    print(f"\n{'decode attn B':>14} {'ctx':>6} {'us':>9} {'%bw':>6} mode")
+    impls = {name: (ops if name == "mma" else CudaOps(attn_impl=name)) for name in ATTN_IMPLS}
+    res["attention_decode"] = bench_decode_attention(impls, c["copy_bytes_per_s"], args.quick)
+    print(f"\n{'decode attn heads':>17} {'B':>4} {'ctx':>6} " + " ".join(f"{n + ' us':>9} {'%bw':>5}" for n in impls)
+          + "  speedup")
     for r in res["attention_decode"]:
-        print(f"{r['B']:>14} {r['context']:>6} {r['s'] * 1e6:>9.1f} {100 * r['frac_copy_bw']:>5.0f}% {r['mode']}")
-    res["attention_prefill"] = bench_prefill_attention(ops, args.quick)
-    print(f"\n{'prefill attn heads':>20} {'L':>6} {'ms':>8} {'TFLOP/s':>8}")
+        cols = " ".join(f"{r[n]['s'] * 1e6:>9.1f} {100 * r[n]['frac_copy_bw']:>4.0f}%" for n in impls)
+        print(f"{str(r['heads']):>17} {r['B']:>4} {r['context']:>6} {cols}  {r['simt']['s'] / r['mma']['s']:>6.2f}x")
+    res["attention_prefill"] = bench_prefill_attention(impls, args.quick)
+    print(f"\n{'prefill attn heads':>20} {'L':>6} {'ctx':>6} " + " ".join(f"{n + ' ms':>9} {'TFLOP/s':>8}" for n in impls))
     for r in res["attention_prefill"]:
-        print(f"{str(r['heads']):>20} {r['L']:>6} {r['s'] * 1e3:>8.2f} {r['flop_per_s'] / 1e12:>8.1f}")
+        cols = " ".join(f"{r[n]['s'] * 1e3:>9.2f} {r[n]['flop_per_s'] / 1e12:>8.1f}" for n in impls)
+        print(f"{str(r['heads']):>20} {r['L']:>6} {r['context']:>6} {cols}")
     name = f"ops_{_dt.date.today():%Y%m%d}_{res['commit']}.json"
     paths = [ROOT / "perf" / "results" / name] + ([Path(args.out) / name] if args.out else [])
     for p in paths:

@@ -29,7 +29,7 @@ fi
   > "$OUTDIR/env.txt" 2>&1
 
 echo "== GPU tests"
-"$PY" -m pytest -m gpu -q -rfEs --timeout 1200 ${PYTEST_ARGS:-} tests 2>&1 | tee "$OUTDIR/pytest_gpu.log"
+"$PY" -m pytest -m gpu -q -rfEs --timeout 1200 ${PYTEST_ARGS:-} tests/test_cuda_*.py tests/test_gpu_*.py 2>&1 | tee "$OUTDIR/pytest_gpu.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 if [ -z "${SKIP_OPS:-}" ]; then

@@ -37,9 +37,17 @@ KERNEL_DIR = Path(os.environ.get("METRALE_KERNELS_DIR", Path(__file__).resolve()
 CACHE_DIR = Path(os.environ.get("METRALE_KERNEL_CACHE", Path.home() / ".cache" / "metrale" / "kernels"))
 NVCC_OPTIONS = ("-std=c++17", "-O3", "-lineinfo")   # no --use_fast_math: accuracy-sensitive kernels
 
-# attention tiling, must match kernels_cuda/attention.cu (MT_ATTN instantiations)
+# attention tiling, must match kernels_cuda/attention.cu (MT_ATTN instantiations: "simt")
 ATTN_BK = {64: 64, 128: 64, 256: 32}
 DECODE_THREADS, PREFILL_THREADS, PREFILL_ROWS, MAX_G_PER_CTA = 128, 256, 64, 16
+# tensor-core kernels ("mma"; MT_PREFILL_MMA / MT_DECODE_MMA): prefill 8 warps x 16 rows, keys
+# in tiles of ATTN_MMA_BN[D], two stages; decode 4 warps, 16-key tiles, per-warp pipelines of
+# ATTN_MMA_DECODE_STAGES[D] stages, 8 or 16 q heads per CTA (kernel suffix _h1 / _h2)
+ATTN_MMA_BN = {64: 64, 128: 64, 256: 32}
+ATTN_MMA_ROWS, ATTN_MMA_THREADS = 128, 256
+ATTN_MMA_DECODE_STAGES = {64: 4, 128: 3, 256: 3}
+ATTN_MMA_DECODE_WARPS, ATTN_MMA_DECODE_TILE = 4, 16
+ATTN_IMPLS = ("mma", "simt")
 
 _SUFFIX = {BF16: "bf16", F32: "f32"}
 _NULL = np.uint64(0)
@@ -155,7 +163,8 @@ class CudaOps:
 
     name = "cuda"
 
-    def __init__(self, device: int | None = None, dtype=BF16, part_tokens: int | None = None):
+    def __init__(self, device: int | None = None, dtype=BF16, part_tokens: int | None = None,
+                 attn_impl: str = "mma"):
         import cupy
 
         self.cp = cupy
@@ -166,6 +175,9 @@ class CudaOps:
         self.kernels = KernelCache(self.arch)
         self.sm_count = cupy.cuda.runtime.getDeviceProperties(self.device.id)["multiProcessorCount"]
         self.part_tokens = part_tokens      # flash-decoding partition (keys per CTA); None = adaptive
+        # attention kernels: "mma" (tensor cores) or "simt" (CUDA-core fallback), for both paths,
+        # or per path as "decode=simt,prefill=mma"
+        self.attn_decode_impl, self.attn_prefill_impl = self._parse_attn_impl(attn_impl)
         self.poison = os.environ.get("METRALE_CUDA_POISON", "") == "1"  # NaN-fill new outputs (tests)
         self._cublas = None
         self._smem_set: set = set()
@@ -488,6 +500,22 @@ class CudaOps:
                  np.int64(_estride(v, 1)), _ptr(k_cache), _ptr(v_cache), _ptr(slots), np.int64(t), np.int32(hk),
                  np.int32(d), np.int32(vec)))
 
+    @staticmethod
+    def _parse_attn_impl(spec: str) -> tuple[str, str]:
+        """"mma" | "simt" | "decode=<impl>,prefill=<impl>" -> (decode impl, prefill impl)."""
+        spec = (spec or "mma").strip()
+        if spec in ATTN_IMPLS:
+            return spec, spec
+        out = {"decode": "mma", "prefill": "mma"}
+        for part in spec.split(","):
+            key, _, val = part.partition("=")
+            key, val = key.strip(), val.strip()
+            if key not in out or val not in ATTN_IMPLS:
+                raise ValueError(f"attn_impl {spec!r}: expected one of {ATTN_IMPLS} or "
+                                 "'decode=<impl>,prefill=<impl>'")
+            out[key] = val
+        return out["decode"], out["prefill"]
+
     def attention(self, q, k_cache, v_cache, batch, scale):
         cp = self.cp
         q = self._heads(q)
@@ -512,66 +540,101 @@ class CudaOps:
         m = bt.shape[1]
         common = (_ptr(q), np.int64(_estride(q, 0)), np.int64(_estride(q, 1)), _ptr(k_cache), _ptr(v_cache),
                   _ptr(bt), np.int32(m), _ptr(batch.seq_lens), _ptr(batch.query_start_loc))
-        bk = ATTN_BK[d]
-        lds = d + 8
         if batch.is_decode:
             b = t
-            nchunks = -(-g // MAX_G_PER_CTA)
-            gcap = min(g, MAX_G_PER_CTA)
-            part = self._decode_partition(b * hk * nchunks, m * bs)
+            mma = self.attn_decode_impl == "mma"
+            if mma:
+                nh = 1 if g <= 8 else 2                    # n-tiles of 8 q heads per CTA
+                nchunks = -(-g // (8 * nh))
+                stages = ATTN_MMA_DECODE_STAGES[d]
+                smem = max(ATTN_MMA_DECODE_WARPS * stages * 2 * ATTN_MMA_DECODE_TILE * (d + 8) * 2,
+                           ATTN_MMA_DECODE_WARPS * 8 * nh * (d + 2) * 4)
+                resident = max(1, (228 * 1024) // (smem + 1024))
+                part = self._decode_partition(b * hk * nchunks, m * bs, 2 * resident)
+            else:
+                nchunks = -(-g // MAX_G_PER_CTA)
+                gcap = min(g, MAX_G_PER_CTA)
+                bk = ATTN_BK[d]
+                smem = 2 * bk * (d + 8) * 2 + gcap * d * 4 + gcap * bk * 4 + 3 * gcap * 4
+                part = self._decode_partition(b * hk * nchunks, m * bs)
             nparts = max(1, -(-(m * bs) // part))  # from shapes only: graph-safe
-            smem = 2 * bk * lds * 2 + gcap * d * 4 + gcap * bk * 4 + 3 * gcap * 4
             if nparts > 1:
                 part_o = cp.empty((b, hq, nparts, d), dtype=F32)
                 part_m = cp.empty((b, hq, nparts), dtype=F32)
                 part_l = cp.empty((b, hq, nparts), dtype=F32)
             else:
                 part_o = part_m = part_l = None
-            self.kernel("attention", f"decode_attn_d{d}", smem)(
-                (b, hk * nchunks, nparts), (DECODE_THREADS,),
-                common + (_ptr(out), _ptr(part_o), _ptr(part_m), _ptr(part_l), np.int32(hk), np.int32(g),
-                          np.int32(gcap), np.int32(nchunks), np.int32(bs), np.int32(part),
-                          np.int32(nparts), scale_log2),
-                shared_mem=smem)
+            tail = (_ptr(out), _ptr(part_o), _ptr(part_m), _ptr(part_l), np.int32(hk), np.int32(g))
+            if mma:
+                self.kernel("attention", f"decode_mma_d{d}_h{nh}", smem)(
+                    (b, hk * nchunks, nparts), (32 * ATTN_MMA_DECODE_WARPS,),
+                    common + tail + (np.int32(nchunks), np.int32(bs), np.int32(part), np.int32(nparts),
+                                     scale_log2),
+                    shared_mem=smem)
+            else:
+                self.kernel("attention", f"decode_attn_d{d}", smem)(
+                    (b, hk * nchunks, nparts), (DECODE_THREADS,),
+                    common + tail + (np.int32(gcap), np.int32(nchunks), np.int32(bs), np.int32(part),
+                                     np.int32(nparts), scale_log2),
+                    shared_mem=smem)
             if nparts > 1:
                 self.kernel("attention", "decode_reduce")(
                     (b, hq), (min(d, 256),),
                     (_ptr(part_o), _ptr(part_m), _ptr(part_l), _ptr(batch.seq_lens), _ptr(batch.query_start_loc),
                      _ptr(out), np.int32(hq), np.int32(d), np.int32(part), np.int32(nparts)))
             return out
-        if g > PREFILL_ROWS:
-            raise NotImplementedError(f"attention: {g} q heads per kv head (at most {PREFILL_ROWS})")
-        bq = PREFILL_ROWS // g
+        if self.attn_prefill_impl == "mma":
+            rows, threads, bn = ATTN_MMA_ROWS, ATTN_MMA_THREADS, ATTN_MMA_BN[d]
+            smem = (rows + 4 * bn) * (d + 8) * 2
+            fn = f"prefill_mma_d{d}"
+        else:
+            rows, threads, bk = PREFILL_ROWS, PREFILL_THREADS, ATTN_BK[d]
+            smem = (rows + 2 * bk) * (d + 8) * 2 + rows * bk * 4
+            fn = f"prefill_attn_d{d}"
+        if g > rows:
+            raise NotImplementedError(f"attention: {g} q heads per kv head (at most {rows})")
+        bq = rows // g
         work = self._work_list(batch, bq)
-        smem = (PREFILL_ROWS + 2 * bk) * lds * 2 + PREFILL_ROWS * bk * 4
-        self.kernel("attention", f"prefill_attn_d{d}", smem)(
-            (work.shape[0], hk), (PREFILL_THREADS,),
+        self.kernel("attention", fn, smem)(
+            (work.shape[0], hk), (threads,),
             common + (_ptr(work), _ptr(out), np.int32(hk), np.int32(g), np.int32(bq), np.int32(bs), scale_log2),
             shared_mem=smem)
         return out
 
-    def _decode_partition(self, groups: int, max_keys: int) -> int:
-        """Keys per decode CTA: enough partitions for ~4 CTAs per SM at small batches, at most
-        512 keys (a multiple of 64). Depends on shapes only, so captured graphs stay valid."""
+    def _decode_partition(self, groups: int, max_keys: int, ctas_per_sm: int = 4) -> int:
+        """Keys per decode CTA: enough partitions for ~`ctas_per_sm` CTAs per SM, at least 64
+        keys and a multiple of 64; at most 512 keys (simt) / 4096 (mma: 4 warps, each its own
+        pipeline, so long partitions stay parallel). Depends on shapes only (graph-safe)."""
         if self.part_tokens:
             return int(self.part_tokens)
-        per = -(-groups * max_keys // (4 * self.sm_count))
-        return int(min(512, max(64, -(-per // 64) * 64)))
+        cap = 4096 if self.attn_decode_impl == "mma" else 512
+        per = -(-groups * max_keys // (ctas_per_sm * self.sm_count))
+        return int(min(cap, max(64, -(-per // 64) * 64)))
 
     def _work_list(self, batch: ForwardBatch, bq: int):
         """int32 [nwork, 2] (sequence, first new-token index) tiles of `bq` query tokens, built on
-        the host from the batch's host copy (one small upload per batch and tile size)."""
+        the host from the batch's host copy (one small upload per batch and tile size). Ordered
+        by decreasing number of visible keys, so the long causal tiles start first and the short
+        ones fill the tail."""
         cache = getattr(batch, "_work", None)
         if cache is None:
             cache = batch._work = {}
         if bq not in cache:
             host = _host_of(batch)
-            qsl = (np.asarray(host.query_start_loc) if host is not None
-                   else self.cp.asnumpy(batch.query_start_loc))  # a sync: only without .host
+            if host is not None:
+                qsl, seq_lens = np.asarray(host.query_start_loc), np.asarray(host.seq_lens)
+            else:  # a sync: only without .host
+                qsl, seq_lens = self.cp.asnumpy(batch.query_start_loc), self.cp.asnumpy(batch.seq_lens)
             qlens = np.diff(qsl.astype(np.int64))
             seq = np.repeat(np.arange(len(qlens)), -(-qlens // bq))
             starts = np.concatenate([np.arange(0, n, bq) for n in qlens]) if len(qlens) else np.zeros(0)
-            work = np.stack([seq, starts], axis=1).astype(np.int32) if len(seq) else np.zeros((0, 2), np.int32)
+            if len(seq):
+                ctx = seq_lens.astype(np.int64)[: len(qlens)] - qlens
+                keys = ctx[seq] + np.minimum(starts + bq, qlens[seq])
+                order = np.argsort(-keys, kind="stable")
+                work = np.stack([seq[order], starts[order]], axis=1).astype(np.int32)
+            else:
+                work = np.zeros((0, 2), np.int32)
             cache[bq] = self.cp.asarray(work)
         return cache[bq]
 
