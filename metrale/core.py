@@ -55,8 +55,10 @@ class EngineCore:
         self.config = (config or EngineConfig()).validate()
         self.ops = make_ops(self.config)
         if self.ops.name == "cuda":
-            # every kernel of the engine runs on one non-default stream (graphs capture on it)
-            self.stream = self.ops.cp.cuda.Stream(non_blocking=True)
+            # The engine's kernels run on one stream of their own (graphs cannot be captured on
+            # the legacy default stream). It is a blocking stream, so work that callers put on
+            # the legacy stream (tests, tools) stays ordered with it.
+            self.stream = self.ops.cp.cuda.Stream(non_blocking=False)
             self.stream.use()
         self.model = build_model(ckpt, self.ops)
         spec = self.model.cache_spec()
@@ -156,6 +158,12 @@ class EngineCore:
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.ops.name == "cuda":
+            with self.stream:
+                return self._step()
+        return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         sampled = self.runner.execute(out)

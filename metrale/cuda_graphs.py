@@ -108,9 +108,10 @@ class DecodeGraphs:
         n = batch.num_seqs
         g = self.graphs[min(b for b in self.graphs if b >= n)]
         self._pack(g, batch)
-        g.device.set(g.host_view, stream=self.stream)
-        g.graph.launch(stream=self.stream)
-        return g.logits[:n]
+        with self.stream:
+            g.device.set(g.host_view, stream=self.stream)
+            g.graph.launch(stream=self.stream)
+            return g.logits[:n]
 
     def _pack(self, g: _Graph, batch: ForwardBatch) -> None:
         """Write `batch` padded to g.bucket rows into g's pinned host buffer."""
