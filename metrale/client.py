@@ -48,6 +48,7 @@ class AsyncEngineClient:
         self._dealer = None
         self.queues: dict[str, asyncio.Queue] = {}
         self._tasks: list[asyncio.Task] = []
+        self._heard = asyncio.Event()   # set by every message on our topic (heartbeat echoes too)
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -80,10 +81,23 @@ class AsyncEngineClient:
                 out = wire.decode(frames)
             except ValueError:
                 continue
+            self._heard.set()
             for delta in out.deltas:
                 q = self.queues.get(delta.request_id)
                 if q is not None:
                     q.put_nowait(delta)
+
+    async def wait_subscribed(self, timeout_s: float) -> bool:
+        """Wait for the engine's next echo of our heartbeat on our output topic: once one has
+        come, nothing the engine publishes for us is lost to a subscription still in flight.
+        Call again after the engine restarted."""
+        self.start()
+        self._heard.clear()
+        try:
+            await asyncio.wait_for(self._heard.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
 
     # -- requests ---------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids, sampling_params: dict):

@@ -33,6 +33,7 @@ class EngineConfig:
     tbt_deadline_ms: float = 100.0
     request_timeout: float = 300.0        # seconds, 0 disables
     swap_space_gb: float = 3.0
+    auto_compact: float = 0.0             # compact a context at F x max_seq_len (0 = off)
     default_min_p: float = 0.0
     default_top_n_sigma: float = 0.0
     profile: bool = False
@@ -51,6 +52,10 @@ class EngineConfig:
             raise ConfigError(f"--scheduler must be fifo or slai, got {self.scheduler!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("--gpu-memory-utilization must be in (0, 1]")
+        if not 0.0 <= self.auto_compact <= 1.0:
+            raise ConfigError("--auto-compact must be in [0, 1] (0 disables)")
+        if self.swap_space_gb < 0:
+            raise ConfigError("--swap-space-gb must be >= 0 (0 disables swapping)")
         if self.request_timeout < 0:
             raise ConfigError("--request-timeout must be >= 0 (0 disables)")
         if self.max_batch_size > self.max_num_seqs:

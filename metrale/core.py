@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from metrale.backends import make_ops
 from metrale.cache.kv import ModelCaches
+from metrale.cache.swap import SwapSpace
 from metrale.config import EngineConfig
 from metrale.models.checkpoint import Checkpoint
 from metrale.models.registry import build_model
@@ -70,10 +71,12 @@ class EngineCore:
         self.caches = ModelCaches(spec, self.ops, num_blocks=num_blocks + 1,
                                   block_size=self.config.block_size,
                                   num_state_slots=num_slots + 1)
+        self.swap = SwapSpace.for_caches(self.caches, self.config.swap_space_gb)
         self.scheduler = Scheduler(self.config, num_kv_blocks=num_blocks,
-                                   num_state_slots=num_slots, hybrid=self.hybrid)
+                                   num_state_slots=num_slots, hybrid=self.hybrid, swap=self.swap)
         self.runner = ModelRunner(self.model, self.ops, self.caches, self.config.block_size,
                                   seed=self.config.seed)
+        self.runner.swap = self.swap
         if self.ops.name == "cuda":
             self._setup_cuda(num_blocks, num_slots)
         self.eos_token_ids: frozenset[int] = frozenset()
@@ -135,6 +138,11 @@ class EngineCore:
                 f"--gpu-memory-utilization, lower --oom-guard-mb, --max-batch-size or "
                 f"--ssm-cache-slots, or use a smaller model")
         return budget
+
+    def close(self) -> None:
+        """Release host resources (swap files)."""
+        if self.swap is not None:
+            self.swap.close()
 
     # -- requests ---------------------------------------------------------------------------
     def can_admit(self) -> bool:

@@ -146,7 +146,11 @@ class EngineServer:
             elif isinstance(msg, wire.Abort):
                 self._abort(msg.request_id, msg.reason)
             elif isinstance(msg, wire.Control) and msg.op == "heartbeat":
-                self.frontends[msg.args.get("frontend_id", "")] = time.monotonic()
+                frontend_id = msg.args.get("frontend_id", "")
+                self.frontends[frontend_id] = time.monotonic()
+                # echo on the frontend's topic: its SUB socket is proven connected once one
+                # arrives (ZeroMQ drops what a PUB sends before a subscription reaches it)
+                self._send(frontend_id, [])
 
     def _submit(self, msg: wire.Submit) -> None:
         self.frontends[msg.frontend_id] = time.monotonic()

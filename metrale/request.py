@@ -18,7 +18,8 @@ from metrale.sampling import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"        # queued, never scheduled
     RUNNING = "running"        # holds KV blocks and a state slot
-    PREEMPTED = "preempted"    # back in the queue; recomputes all_token_ids as its prompt
+    PREEMPTED = "preempted"    # back in the queue; recomputes all_token_ids as its prompt, or
+                               # copies them back from swap space (num_swapped_tokens > 0)
     FINISHED = "finished"
 
 
@@ -36,6 +37,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None            # "stop" | "length" | "abort" | "timeout"
     num_preemptions: int = 0
+    num_swapped_tokens: int = 0                 # preempted by swap: computed tokens held there
+    num_compactions: int = 0                    # --auto-compact: times the middle was dropped
+    num_dropped_tokens: int = 0                 # tokens dropped by compaction (after the sink)
+    num_sink_tokens: int = 0                    # tokens kept at the start by compaction
     # -- resources, owned by the scheduler ------------------------------------------------------
     block_ids: list[int] = field(default_factory=list)       # KV blocks, in token order
     block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of full blocks (lazy)
@@ -43,11 +48,17 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """The model's context: prompt + output, minus what compaction dropped (the tokens the
+        KV cache and GDN state describe, position i holding all_token_ids[i])."""
+        tokens = self.prompt_token_ids + self.output_token_ids
+        if self.num_dropped_tokens:
+            del tokens[self.num_sink_tokens: self.num_sink_tokens + self.num_dropped_tokens]
+        return tokens
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Length of the model's context (`all_token_ids`)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) - self.num_dropped_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -33,6 +33,7 @@ class ModelRunner:
         self._seed = seed
         self._num_generators_made = 0
         self._generators: dict[str, np.random.Generator] = {}
+        self.swap = None            # metrale.cache.swap.SwapSpace when --swap-space-gb > 0
         self.graphs = None          # metrale.cuda_graphs.DecodeGraphs on the CUDA backend
         self.gpu_sampler = None     # metrale.backends.cuda_sampling.GpuSampler on CUDA
         self._sampler_slot: dict[str, int] = {}
@@ -81,6 +82,8 @@ class ModelRunner:
 
     def execute(self, out) -> dict[str, SampledToken]:
         """Run the forward for `out` and sample one token for every sequence that asks."""
+        if self.swap is not None:   # before anything: blocks freed by a swap-out are reused now
+            self.swap.execute(out, self.caches)
         for src, dst in out.state_copies:
             self.caches.copy_state(src, dst)
         if not out.seqs:

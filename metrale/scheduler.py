@@ -15,9 +15,21 @@ Limits per step: at most `max_batch_size` sequences and at most the token budget
 `max_batch_size` requests run (hold KV blocks and a state row) at once.
 
 When a running request cannot get a block, the most recently arrived running request not yet
-scheduled in this step is preempted (recompute: its blocks and state row are freed,
-`num_computed_tokens` drops to 0, its output tokens are kept and recomputed as prompt, and it
-goes back to the FRONT of the queue). A partial prefill first shrinks its chunk to the space left.
+scheduled in this step is preempted: its blocks and state row are freed, `num_computed_tokens`
+drops to 0 and it goes back to the FRONT of the queue. With swap space (`--swap-space-gb`, a
+`SwapSpace` from metrale.cache.swap) that has room, its computed blocks and state row are first
+copied out (`swap_out`) and copied back into fresh blocks when it is admitted again (`swap_in`);
+otherwise (recompute) its output tokens are kept and recomputed as prompt. A partial prefill
+first shrinks its chunk to the space left.
+
+`--auto-compact F` (0 < F <= 1): when a request's context reaches F x max_seq_len tokens it is
+compacted StreamingLLM-style: the first `sink` tokens (the start of the prompt: the system
+prompt) and the most recent tokens are kept, the middle is dropped, and the kept tokens are
+recomputed at positions 0..n-1 (the request re-queues at the front like a recompute
+preemption; a prefix-cache hit can serve the sink). The kept context is half the trigger:
+sink = min(prompt length, trigger // 4), recent window = trigger // 2 - sink. The output stream
+is unaffected (`max_tokens` counts every output token); `num_compactions` counts the events.
+With compaction on, reaching max_seq_len never ends a request.
 
 Never deadlocks: `add_request` rejects a prompt that cannot fit the pool alone (prompt + the
 first output token), and a request that runs alone and still cannot grow finishes with "length"
@@ -25,8 +37,8 @@ first output token), and a request that runs alone and still cannot grow finishe
 
 State pool layout (`num_state_slots_needed`): rows [0, max_batch_size) are working rows, one per
 running request; for hybrid models with prefix caching, rows [max_batch_size, max_batch_size +
-ssm_cache_slots) hold GDN snapshots. The runner only executes `state_copies` before the forward
-and `state_saves` after it.
+ssm_cache_slots) hold GDN snapshots. The runner executes `swap_out` then `swap_in` (SwapSpace.execute),
+then `state_copies` before the forward, and `state_saves` after it.
 """
 from __future__ import annotations
 
@@ -38,6 +50,7 @@ from dataclasses import dataclass, field
 
 from metrale.cache.block_pool import BlockPool, IntegrityError
 from metrale.cache.prefix_cache import PrefixCache, PrefixMatch
+from metrale.cache.swap import SwapSpace
 from metrale.config import ConfigError, EngineConfig
 from metrale.request import Request, RequestStatus
 
@@ -57,6 +70,9 @@ class SchedulerOutput:
     state_copies: list[tuple[int, int]] = field(default_factory=list)  # before the forward
     state_saves: list[tuple[int, int]] = field(default_factory=list)   # after the forward
     preempted: list[Request] = field(default_factory=list)
+    # (request id, block ids, GDN state row or None): run swap_out, then swap_in, before all else
+    swap_out: list[tuple[str, list[int], int | None]] = field(default_factory=list)
+    swap_in: list[tuple[str, list[int], int | None]] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)  # timeouts, "length" when alone
 
     @property
@@ -166,8 +182,9 @@ class _StepBudget:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_kv_blocks: int, num_state_slots: int,
-                 hybrid: bool, now=time.monotonic):
+                 hybrid: bool, now=time.monotonic, swap: SwapSpace | None = None):
         self.config = config
+        self.swap = swap
         self.now = now
         self.hybrid = hybrid
         self.block_size = config.block_size
@@ -186,6 +203,8 @@ class Scheduler:
         self._requests: dict[str, Request] = {}
         self._scheduled: set[str] = set()         # ids scheduled in the step being built
         self.num_preemptions = 0
+        self.num_compactions = 0
+        self.compact_at = self._compaction_trigger(config)
 
     @staticmethod
     def num_state_slots_needed(config: EngineConfig, hybrid: bool) -> int:
@@ -194,6 +213,16 @@ class Scheduler:
             return 0
         return config.max_batch_size + (config.ssm_cache_slots if config.enable_prefix_caching
                                         else 0)
+
+    @staticmethod
+    def _compaction_trigger(config: EngineConfig) -> int:
+        """Context length that triggers --auto-compact (0: off)."""
+        fraction = getattr(config, "auto_compact", 0.0) or 0.0
+        if fraction <= 0:
+            return 0
+        if fraction > 1:
+            raise ConfigError(f"--auto-compact must be in (0, 1] (0 disables), got {fraction}")
+        return max(int(fraction * config.max_seq_len), 4)
 
     def _make_prefix_cache(self, config: EngineConfig, hybrid: bool) -> PrefixCache:
         if not hybrid:
@@ -317,6 +346,8 @@ class Scheduler:
 
     def _admit(self, req: Request, out: SchedulerOutput, budget: _StepBudget) -> bool:
         """Start `req` (prefix hit + first chunk) if that chunk's blocks fit; else False."""
+        if req.num_swapped_tokens:
+            return self._swap_in(req, out, budget)
         match = self.prefix_cache.match(req) if self.prefix_cache else PrefixMatch()
         start = match.num_tokens
         num_new = self._chunk_size(req, start, budget.num_tokens)
@@ -339,6 +370,27 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         if match.snapshot_slot is not None:
             out.state_copies.append((match.snapshot_slot, req.state_slot))
+        self._reserve_blocks(req, start + num_new)
+        bisect.insort(self.running, req, key=lambda r: r.arrival_time)
+        self._add_seq(out, req, num_new, budget)
+        return True
+
+    def _swap_in(self, req: Request, out: SchedulerOutput, budget: _StepBudget) -> bool:
+        """Resume a swapped-out request: fresh blocks for its swapped tokens (filled from swap
+        space before the forward) plus its next chunk, if they fit; else False."""
+        start = req.num_swapped_tokens
+        num_new = self._chunk_size(req, start, budget.num_tokens)
+        if not self.block_pool.can_allocate(self._num_blocks(start + num_new)):
+            return False
+        self.waiting.popleft()
+        req.block_ids = self.block_pool.allocate(self._num_blocks(start))
+        req.state_slot = self.state_slots.allocate()
+        out.swap_in.append((req.request_id, list(req.block_ids),
+                            req.state_slot if self.hybrid else None))
+        req.num_computed_tokens, req.num_swapped_tokens = start, 0
+        req.status = RequestStatus.RUNNING
+        if self.prefix_cache:
+            self.prefix_cache.cache_blocks(req, 0, start)
         self._reserve_blocks(req, start + num_new)
         bisect.insort(self.running, req, key=lambda r: r.arrival_time)
         self._add_seq(out, req, num_new, budget)
@@ -404,14 +456,38 @@ class Scheduler:
             req.state_slot = None
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        num_blocks = self._num_blocks(req.num_computed_tokens)
+        if self.swap is not None and num_blocks and self.swap.can_hold(num_blocks, self.hybrid):
+            self.swap.reserve(req.request_id, num_blocks, self.hybrid)
+            out.swap_out.append((req.request_id, req.block_ids[:num_blocks],
+                                 req.state_slot if self.hybrid else None))
+            req.num_swapped_tokens = req.num_computed_tokens
+        self._requeue(req)
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(req)
+
+    def _requeue(self, req: Request) -> None:
+        """Free a running request's blocks and row and put it at the front of the queue."""
         self._release(req)
         self.running.remove(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
-        req.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(req)
-        out.preempted.append(req)
+
+    def _compact(self, req: Request) -> None:
+        """Drop the middle of `req`'s context: keep the sink and the recent window (see the module
+        docstring), and requeue it to recompute the kept tokens."""
+        keep = self.compact_at // 2
+        sink = min(req.num_prompt_tokens, self.compact_at // 4)
+        if req.num_compactions:
+            sink = req.num_sink_tokens
+        req.num_dropped_tokens += req.num_tokens - keep
+        req.num_sink_tokens = sink
+        req.block_hashes = []
+        req.num_compactions += 1
+        self.num_compactions += 1
+        self._requeue(req)
 
     def _finish(self, req: Request, reason: str) -> None:
         if req.status is RequestStatus.RUNNING:
@@ -419,6 +495,9 @@ class Scheduler:
             self.running.remove(req)
         else:
             self.waiting.remove(req)
+        if self.swap is not None:       # swapped out, or its swap-in has not run yet
+            self.swap.discard(req.request_id)
+            req.num_swapped_tokens = 0
         req.finish(reason)
         del self._requests[req.request_id]
 
@@ -445,6 +524,8 @@ class Scheduler:
                 if reason is not None:
                     self._finish(req, reason)
                     finished.append(req)
+                elif self.compact_at and req.num_tokens >= self.compact_at:
+                    self._compact(req)
         if self.prefix_cache and self.prefix_cache.checkpointing:
             self.prefix_cache.release_pending()
         return finished
@@ -455,7 +536,8 @@ class Scheduler:
                 token in params.stop_token_ids
                 or (not params.ignore_eos and token in req.eos_token_ids)):
             return "stop"
-        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.config.max_seq_len:
+        if req.num_output_tokens >= params.max_tokens or (
+                not self.compact_at and req.num_tokens >= self.config.max_seq_len):
             return "length"
         return None
 
@@ -484,5 +566,11 @@ class Scheduler:
             if req.block_ids or req.state_slot is not None or req.status not in (
                     RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 raise IntegrityError(f"waiting request {req.request_id} holds resources")
+            if bool(req.num_swapped_tokens) != bool(self.swap and self.swap.holds(req.request_id)):
+                raise IntegrityError(f"waiting request {req.request_id} and swap space disagree")
+        if self.swap and not self.swap.request_ids <= {
+                r.request_id for r in self.waiting if r.num_swapped_tokens} | {
+                r.request_id for r in self.running}:          # running: swap-in not run yet
+            raise IntegrityError("swap space holds requests that are not waiting")
         if len(self._requests) != self.num_running + self.num_waiting:
             raise IntegrityError("request index out of step with the queues")

@@ -106,9 +106,17 @@ def synthetic_checkpoint(shape: str):
 
 
 def decode_step_bytes(shapes, cfg, batch: int, context: int) -> int:
-    """Fewest bytes one decode step moves: weights once (the embedding table only B rows), each
-    sequence's KV and GDN state once."""
-    weights = sum(int(np.prod(s)) * 2 for n, s in shapes.items() if "embed_tokens" not in n)
+    """Fewest bytes one decode step moves: weights once (the embedding table only B rows; of the
+    routed experts only the min(E, B * top_k) that B tokens can reach), each sequence's KV and
+    GDN state once."""
+    experts = cfg.get("num_experts") or 0
+    reach = min(experts, batch * (cfg.get("num_experts_per_tok") or 0)) / experts if experts else 1
+
+    def moved(name, shape):
+        routed = ".mlp.experts." in name
+        return int(np.prod(shape)) * 2 * (reach if routed else 1)
+
+    weights = int(sum(moved(n, s) for n, s in shapes.items() if "embed_tokens" not in n))
     if "lm_head.weight" not in shapes:
         weights += cfg["vocab_size"] * cfg["hidden_size"] * 2
     layer_types = cfg.get("layer_types") or ["full_attention"] * cfg["num_hidden_layers"]

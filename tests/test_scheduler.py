@@ -5,12 +5,15 @@ forward (KV written at each new token's slot, the GDN state of the row advanced)
 Its "KV" is the token itself and its "GDN state" the tuple of tokens consumed, so it can check that
 every chunk starts from exactly the context its request has computed (a wrong prefix hit, a stale
 snapshot or a shared writable block shows up as a mismatch)."""
+import os
 import random
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from metrale.cache.swap import SwapSpace
 from metrale.config import EngineConfig
 from metrale.request import Request, RequestStatus
 from metrale.sampling import SamplingParams
@@ -34,6 +37,8 @@ class ToyRunner:
         self.state: dict[int, tuple] = {}
 
     def run(self, out, sample) -> dict[str, int]:
+        if self.sched.swap is not None:
+            self.sched.swap.execute(out, self)
         for src, dst in out.state_copies:
             self.state[dst] = self.state[src]
         for seq in out.seqs:
@@ -41,6 +46,21 @@ class ToyRunner:
         for src, dst in out.state_saves:
             self.state[dst] = self.state[src]
         return {s.request.request_id: sample(s.request) for s in out.seqs if s.sample}
+
+    # the ModelCaches swap interface, over the toy KV and state
+    def read_blocks(self, block_ids):
+        return [np.array([[self.kv.get((b, i), -1) for i in range(self.bs)] for b in block_ids])]
+
+    def write_blocks(self, block_ids, arrays):
+        for b, row in zip(block_ids, arrays[0]):
+            for i, token in enumerate(row):
+                self.kv[(b, i)] = int(token)
+
+    def read_state(self, slot):
+        return [np.array(self.state[slot], dtype=np.int64)]
+
+    def write_state(self, slot, arrays):
+        self.state[slot] = tuple(int(t) for t in arrays[0])
 
     def _forward(self, seq):
         req, bs, table = seq.request, self.bs, seq.block_table
@@ -61,14 +81,14 @@ class ToyRunner:
             self.kv[(block, pos % bs)] = tokens[pos]
 
 
-def make(num_kv_blocks=64, hybrid=False, clock=None, **overrides) -> Scheduler:
+def make(num_kv_blocks=64, hybrid=False, clock=None, swap=None, **overrides) -> Scheduler:
     settings_ = dict(block_size=4, max_batch_size=4, max_num_seqs=16, max_prefill_tokens=32,
                      max_seq_len=128, ssm_checkpoint_interval=8, ssm_cache_slots=4,
                      request_timeout=0)
     settings_.update(overrides)
     config = EngineConfig(**settings_).validate()
     return Scheduler(config, num_kv_blocks, Scheduler.num_state_slots_needed(config, hybrid),
-                     hybrid, now=clock or Clock())
+                     hybrid, now=clock or Clock(), swap=swap)
 
 
 def request(rid, n_prompt=6, max_tokens=4, **params) -> Request:
@@ -231,15 +251,21 @@ def test_requests_past_their_deadline_time_out():
 
 
 # -- preemption -----------------------------------------------------------------------------------
+SWAPS = {"recompute": None, "host": (10**6, 0), "disk": (0, 10**6), "host+disk": (3, 3),
+         "too small": (1, 1)}
+
+
+@pytest.mark.parametrize("swap", SWAPS)
 @pytest.mark.parametrize("hybrid, prefix", [(False, False), (False, True), (True, True)])
-def test_tiny_pool_preempts_and_everyone_finishes_with_the_same_tokens(hybrid, prefix):
+def test_tiny_pool_preempts_and_everyone_finishes_with_the_same_tokens(hybrid, prefix, swap):
     def workload():
         return [request(f"r{i}", n_prompt=5 + i, max_tokens=12) for i in range(6)]
     roomy = make(num_kv_blocks=256, hybrid=hybrid, enable_prefix_caching=prefix)
     for r in (expected := workload()):
         roomy.add_request(r)
     drive(roomy)
-    tiny = make(num_kv_blocks=9, hybrid=hybrid, enable_prefix_caching=prefix)
+    space = SwapSpace(1, 1, *SWAPS[swap]) if SWAPS[swap] else None    # sizes in blocks
+    tiny = make(num_kv_blocks=9, hybrid=hybrid, enable_prefix_caching=prefix, swap=space)
     for r in (got := workload()):
         tiny.add_request(r)
     runner = ToyRunner(tiny, hybrid)
@@ -251,9 +277,21 @@ def test_tiny_pool_preempts_and_everyone_finishes_with_the_same_tokens(hybrid, p
             assert r.num_computed_tokens == 0 and r.status is RequestStatus.PREEMPTED
             assert tiny.waiting[0] is r or r in tiny.waiting
             seen_preempted[r.request_id] = list(r.all_token_ids)
+        for rid, _, _ in out.swap_in:                        # resumes where it stopped
+            assert tiny._requests[rid].num_computed_tokens > 0
         tiny.update_from_output(out, runner.run(out, counting))
         tiny.check_integrity()
     assert tiny.num_preemptions > 0
+    if space is not None:
+        assert space.num_swapped == 0 and space.host_used_bytes == space.disk_used_bytes == 0
+        swapped = space.num_swap_outs
+        assert swapped == space.num_swap_ins
+        if swap == "too small":                               # recompute is the fallback
+            assert swapped < tiny.num_preemptions
+        else:
+            assert 0 < swapped <= tiny.num_preemptions
+        assert (space.num_disk_swap_outs > 0) == (swap in ("disk", "host+disk"))
+        space.close()
     for e, g in zip(expected, got):
         assert g.all_token_ids == e.all_token_ids and g.finish_reason == "length"
         if g.request_id in seen_preempted:
@@ -332,11 +370,12 @@ class Workload:
     """Random arrivals (some sharing prefixes), aborts, clock ticks and steps with random samples,
     checking the scheduler's invariants after every operation."""
 
-    def __init__(self, hybrid, prefix, policy, blocks, batch, budget, seed):
+    def __init__(self, hybrid, prefix, policy, blocks, batch, budget, seed, swap=None):
         self.clock = Clock()
+        self.swap = SwapSpace(1, 1, *swap) if swap else None
         self.sched = make(num_kv_blocks=blocks, hybrid=hybrid, enable_prefix_caching=prefix,
                           scheduler=policy, max_batch_size=batch, max_prefill_tokens=budget,
-                          max_seq_len=48, clock=self.clock)
+                          max_seq_len=48, clock=self.clock, swap=self.swap)
         self.runner = ToyRunner(self.sched, hybrid)
         self.rng = random.Random(seed)
         self.prefixes = [[self.rng.randrange(1, 50) for _ in range(20)] for _ in range(3)]
@@ -372,7 +411,8 @@ class Workload:
         assert len({s.state_slot for s in out.seqs}) == len(out.seqs)
         self.sched.check_integrity()
         for name, happened in [("preemption", out.preempted), ("state copy", out.state_copies),
-                               ("state save", out.state_saves), ("timeout", out.finished)]:
+                               ("state save", out.state_saves), ("timeout", out.finished),
+                               ("swap out", out.swap_out), ("swap in", out.swap_in)]:
             if happened:
                 event(name)
         before = {r.request_id: list(r.all_token_ids) for r in out.preempted}
@@ -396,6 +436,10 @@ class Workload:
         pool = self.sched.block_pool
         assert pool.num_free_blocks == pool.num_blocks              # free or cached: no leaks
         assert all(r.finish_reason in ("stop", "length", "timeout") for r in self.done)
+        if self.swap is not None:
+            assert self.swap.num_swapped == 0 and self.swap.host_used_bytes == 0
+            assert self.swap.disk_used_bytes == 0
+            self.swap.close()
 
 
 OPS = st.one_of(
@@ -410,10 +454,11 @@ OPS = st.one_of(
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(hybrid=st.booleans(), prefix=st.booleans(), policy=st.sampled_from(["fifo", "slai"]),
        blocks=st.integers(6, 16), batch=st.integers(1, 4), budget=st.integers(1, 24),
-       seed=st.integers(0, 2**16), ops=st.lists(OPS, min_size=10, max_size=50))
+       seed=st.integers(0, 2**16), ops=st.lists(OPS, min_size=10, max_size=50),
+       swap=st.one_of(st.none(), st.tuples(st.integers(0, 12), st.integers(0, 12))))
 def test_random_workloads_keep_invariants_and_drain(hybrid, prefix, policy, blocks, batch,
-                                                    budget, seed, ops):
-    w = Workload(hybrid, prefix, policy, blocks, batch, budget, seed)
+                                                    budget, seed, ops, swap):
+    w = Workload(hybrid, prefix, policy, blocks, batch, budget, seed, swap)
     for op, *args in ops:
         if op == "arrive":
             w.arrive(*args)
@@ -425,3 +470,64 @@ def test_random_workloads_keep_invariants_and_drain(hybrid, prefix, policy, bloc
             for _ in range(args[0]):
                 w.step()
     w.drain()
+
+
+def simulate_token_gaps(policy: str, step_cost=lambda n: 0.002 + 0.0001 * n) -> list[float]:
+    """Three streams decode while long prompts keep arriving; each step takes `step_cost(new
+    tokens)` of simulated time and is reported to the scheduler like the engine does. Returns
+    the simulated time between consecutive tokens of every request (its inter-token gaps)."""
+    clock = Clock()
+    sched = make(scheduler=policy, clock=clock, max_batch_size=8, max_prefill_tokens=512,
+                 tbt_deadline_ms=20.0, max_seq_len=2048, num_kv_blocks=4096)
+    for i in range(3):
+        sched.add_request(request(f"stream{i}", n_prompt=5 + i, max_tokens=80))
+    last_token: dict[str, float] = {}
+    gaps: list[float] = []
+    for step in range(400):
+        if step % 25 == 5 and step < 200:
+            sched.add_request(request(f"long{step}", n_prompt=900, max_tokens=3))
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        clock.t += step_cost(out.num_new_tokens)
+        sched.observe_step_time(out.num_new_tokens, step_cost(out.num_new_tokens))
+        sampled = {s.request.request_id: 11 for s in out.seqs if s.sample}
+        sched.update_from_output(out, sampled)
+        for rid in sampled:
+            if rid in last_token:
+                gaps.append(clock.t - last_token[rid])
+            last_token[rid] = clock.t
+    assert not sched.has_unfinished()
+    return gaps
+
+
+def test_slai_keeps_token_gaps_under_the_deadline_where_fifo_does_not():
+    slai, fifo = simulate_token_gaps("slai"), simulate_token_gaps("fifo")
+    assert len(slai) == len(fifo) > 3 * 60
+    assert max(slai) <= 0.020 + 1e-9
+    assert max(fifo) > 0.040                   # a 512-token prefill chunk rides along: 53 ms
+    assert sum(g > 0.020 for g in fifo) >= 8
+
+
+@pytest.mark.parametrize("when", ["swapped", "swap-in pending"])
+def test_aborting_a_swapped_request_frees_its_swap_space(when):
+    space = SwapSpace(1, 1, 0, 100)                          # disk only: files to remove
+    sched = make(num_kv_blocks=4, max_prefill_tokens=64, swap=space)
+    old, new = request("old", n_prompt=7, max_tokens=3), request("new", n_prompt=7, max_tokens=20)
+    sched.add_request(old)
+    sched.add_request(new)
+    runner = ToyRunner(sched, False)
+    while not space.num_swapped:
+        out = sched.schedule()
+        sched.update_from_output(out, runner.run(out, counting))
+    assert new.num_swapped_tokens == 8 and new.status is RequestStatus.PREEMPTED
+    if when == "swap-in pending":
+        while not (out := sched.schedule()).swap_in:
+            sched.update_from_output(out, runner.run(out, counting))
+        assert new.status is RequestStatus.RUNNING and new.num_computed_tokens == 8
+    sched.abort_request("new")
+    assert space.num_swapped == 0 and space.disk_used_bytes == 0
+    assert not os.listdir(space.directory)
+    space.execute(out, runner)                               # a stale swap-in is skipped
+    sched.check_integrity()
+    space.close()

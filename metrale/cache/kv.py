@@ -108,6 +108,32 @@ class ModelCaches:
             conv[dst_slot] = conv[src_slot]
             ssm[dst_slot] = ssm[src_slot]
 
+    # -- swapping (metrale.cache.swap): host copies of blocks and state rows ------------------
+    def read_blocks(self, block_ids) -> list[np.ndarray]:
+        """Host copies of K and V of `block_ids` in every attention layer, in layer order:
+        [k, v, k, v, ...], each [len(block_ids), block_size, n_kv_heads, head_dim]."""
+        idx = self.ops.asarray(np.asarray(block_ids, dtype=np.int64), dtype=np.int64)
+        return [self.ops.to_numpy(a[idx]) for layer in self.spec.attention_layers
+                for a in self._arrays[layer]]
+
+    def write_blocks(self, block_ids, arrays) -> None:
+        """Inverse of `read_blocks`: copy host arrays into blocks `block_ids`."""
+        idx = self.ops.asarray(np.asarray(block_ids, dtype=np.int64), dtype=np.int64)
+        dst = [a for layer in self.spec.attention_layers for a in self._arrays[layer]]
+        for a, host in zip(dst, arrays, strict=True):
+            a[idx] = self.ops.asarray(host, dtype=a.dtype)
+
+    def read_state(self, slot: int) -> list[np.ndarray]:
+        """Host copies of GDN state row `slot` in every GDN layer: [conv, ssm, conv, ssm, ...]."""
+        return [self.ops.to_numpy(a[slot]) for layer in self.spec.gdn_layers
+                for a in self._arrays[layer]]
+
+    def write_state(self, slot: int, arrays) -> None:
+        """Inverse of `read_state`: copy host arrays into GDN state row `slot`."""
+        dst = [a for layer in self.spec.gdn_layers for a in self._arrays[layer]]
+        for a, host in zip(dst, arrays, strict=True):
+            a[slot] = self.ops.asarray(host, dtype=a.dtype)
+
     @property
     def kv_bytes_per_block(self) -> int:
         return self.spec.kv_bytes_per_block(self.block_size, self.ops.dtype)

@@ -1,0 +1,305 @@
+"""The frontend worker: a Falcon ASGI app in front of one engine.
+
+ASGI (not WSGI) because one worker must hold hundreds of open SSE streams at once: each stream is
+a coroutine waiting on the engine, not a thread.
+
+The worker is stateless. At startup (the ASGI lifespan) it opens one AsyncEngineClient and asks
+the engine for `model_info` (retrying while the engine loads); from it it builds the Tokenizer
+and the chat template, so a frontend on another host needs no model files. Until then every
+model route answers 503 `model_not_loaded` (retriable), and /health too.
+
+    create_app(FrontendSettings(engine={"submit": ..., ...})) -> ASGI callable
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+
+import falcon
+import falcon.asgi
+import orjson
+import tokenizers
+
+from metrale import levers
+from metrale.api import errors
+from metrale.api.errors import APIError
+from metrale.chat import ChatTemplate
+from metrale.client import AsyncEngineClient, EngineUnavailable
+from metrale.tokenizer import Tokenizer
+
+log = logging.getLogger("metrale.frontend")
+
+MODEL_INFO_RETRY_S = 0.5
+PROBE_TIMEOUT_S = 2.0
+
+
+@dataclass
+class FrontendSettings:
+    engine: dict                                  # EngineAddresses.to_dict()
+    auth_tokens: list[str] = field(default_factory=list)
+    require_auth: bool = False
+    metrics_public: bool = False
+    max_body_bytes: int = 32 * 2**20
+    body_timeout_s: float = 30.0
+    control_timeout_s: float = 5.0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "FrontendSettings":
+        return cls(**d)
+
+
+class Worker:
+    """Per-process state: the engine client and the model's tokenizer and template."""
+
+    def __init__(self, settings: FrontendSettings):
+        self.settings = settings
+        self.client: AsyncEngineClient | None = None
+        self.info: dict | None = None
+        self.ready_info: dict | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.template: ChatTemplate | None = None
+        self._loader: asyncio.Task | None = None
+
+    async def startup(self) -> None:
+        self.client = AsyncEngineClient(self.settings.engine,
+                                        control_timeout_s=self.settings.control_timeout_s)
+        self.client.start()
+        self._loader = asyncio.get_running_loop().create_task(self._load_model_info())
+
+    async def shutdown(self) -> None:
+        if self._loader:
+            self._loader.cancel()
+        if self.client:
+            await self.client.close()
+
+    async def _load_model_info(self) -> None:
+        while True:
+            try:
+                info = await self.client.control("model_info")
+            except EngineUnavailable:
+                await asyncio.sleep(MODEL_INFO_RETRY_S)
+                continue
+            self._use(info)
+            while not await self._probe():
+                pass
+            self.ready_info = info
+            log.info("frontend ready for %s", info.get("name"))
+            return
+
+    async def _probe(self) -> bool:
+        """Proves the engine's output reaches this worker: no client request is sent before the
+        output subscription is connected (see AsyncEngineClient.wait_subscribed)."""
+        return await self.client.wait_subscribed(PROBE_TIMEOUT_S)
+
+    def _use(self, info: dict) -> None:
+        backend = tokenizers.Tokenizer.from_str(info["tokenizer_json"])
+        tok = Tokenizer(backend, info.get("tokenizer_config"), info.get("generation_config"))
+        template = None
+        if info.get("chat_template"):
+            template = ChatTemplate(info["chat_template"], special_tokens=tok.special_tokens_map,
+                                    origin=f"the chat template of {info.get('name')}")
+        self.tokenizer, self.template, self.info = tok, template, info
+
+    def engine_lost(self) -> None:
+        """The engine stopped answering: serve 503 until it is back and a probe went through
+        (after a restart the output subscription must be proven again)."""
+        if self._loader is None or self._loader.done():
+            self.ready_info = None
+            self._loader = asyncio.get_running_loop().create_task(self._load_model_info())
+
+    def ready(self) -> dict:
+        """The model info; 503 while the engine has not answered yet."""
+        if self.ready_info is None:
+            raise errors.engine_unavailable("the model is still loading")
+        return self.ready_info
+
+    # -- auth and rate limits -------------------------------------------------------------------
+    def api_key(self, req) -> str | None:
+        auth = req.get_header("Authorization") or ""
+        if auth[:7].lower() == "bearer ":
+            return auth[7:].strip()
+        return req.get_header("x-api-key")
+
+    def check_auth(self, req) -> None:
+        if not self.settings.require_auth:
+            return
+        key = self.api_key(req)
+        ok = False
+        for token in self.settings.auth_tokens:   # every key, so timing says nothing
+            ok |= key is not None and hmac.compare_digest(key.encode(), token.encode())
+        if not ok:
+            raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>' "
+                           "or 'x-api-key: <key>'", code="invalid_api_key")
+
+    async def rate_limit(self, req, resp, num_tokens: int) -> None:
+        if not self.info.get("rate_limit_enabled"):
+            return
+        key = (self.api_key(req) if self.settings.require_auth else None) or req.remote_addr
+        answer = await self.client.control("rate_limit", key=key or "", tokens=num_tokens)
+        headers = {}
+        for name in ("requests", "tokens"):
+            if f"limit_{name}" in answer:
+                headers[f"x-ratelimit-limit-{name}"] = str(answer[f"limit_{name}"])
+                headers[f"x-ratelimit-remaining-{name}"] = str(answer[f"remaining_{name}"])
+        if not answer.get("allowed", True):
+            wait = answer.get("retry_after", 1.0)
+            headers["Retry-After"] = str(max(1, math.ceil(wait)) if math.isfinite(wait) else 60)
+            raise APIError(429, "rate limit exceeded for this key; retry after "
+                           f"{headers['Retry-After']}s", code="rate_limit_exceeded",
+                           headers=headers)
+        resp.set_headers(headers)
+
+
+# ---- middleware and error handlers ----------------------------------------------------------
+
+OPEN_PATHS = ("/health",)
+
+
+class AuthMiddleware:
+    def __init__(self, worker: Worker):
+        self.worker = worker
+
+    async def process_startup(self, scope, event):
+        await self.worker.startup()
+
+    async def process_shutdown(self, scope, event):
+        await self.worker.shutdown()
+
+    async def process_request(self, req, resp):
+        resp.set_header("x-metrale-worker", str(os.getpid()))
+        path = req.path.rstrip("/") or "/"
+        if path in OPEN_PATHS or (path == "/metrics" and self.worker.settings.metrics_public):
+            return
+        self.worker.check_auth(req)
+
+
+def _write_error(resp, e: APIError) -> None:
+    resp.status = e.status
+    resp.content_type = falcon.MEDIA_JSON
+    resp.data = e.json()
+    resp.set_headers(e.headers)
+    resp.stream = None
+
+
+async def _on_api_error(req, resp, e: APIError, params, **kwargs):
+    _write_error(resp, e)
+
+
+async def _on_http_error(req, resp, e: falcon.HTTPError, params, **kwargs):
+    status = e.status_code
+    if status == 404:
+        message = f"no route {req.method} {req.path}; see GET /v1/models and the API reference"
+    elif status == 405:
+        allowed = ", ".join((e.headers or {}).get("Allow", "").split(","))
+        message = f"method {req.method} is not allowed on {req.path} (allowed: {allowed})"
+    else:
+        message = e.description or e.title or str(status)
+    _write_error(resp, APIError(status, message, headers=dict(e.headers or {})))
+
+
+async def _on_unexpected(req, resp, e: Exception, params, **kwargs):
+    log.exception("internal error on %s %s", req.method, req.path)
+    _write_error(resp, APIError(500, f"internal error ({type(e).__name__}); see the server log"))
+
+
+# ---- body reading ---------------------------------------------------------------------------
+
+async def read_json(req, settings: FrontendSettings):
+    """The request body as JSON: 413 above METRALE_MAX_BODY_BYTES (from Content-Length before
+    reading, and while reading chunked bodies), 408 when it takes too long, 400 when invalid."""
+    limit = settings.max_body_bytes
+    if req.content_length is not None and req.content_length > limit:
+        raise _too_large(limit)
+    try:
+        raw = await asyncio.wait_for(_read_limited(req.stream, limit), settings.body_timeout_s)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {settings.body_timeout_s:g}s")
+    if not raw:
+        raise errors.invalid("the request body is empty; send a JSON object")
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise errors.invalid(f"the request body is not valid JSON ({e})")
+
+
+async def _read_limited(stream, limit: int) -> bytes:
+    chunks, size = [], 0
+    async for chunk in stream:
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than {limit} bytes "
+                    "(METRALE_MAX_BODY_BYTES)", code="request_too_large")
+
+
+# ---- disconnect detection -------------------------------------------------------------------
+
+class DisconnectWatch:
+    """ASGI wrapper that tells handlers when the client has gone.
+
+    Neither Falcon's `resp.stream` nor uvicorn report a disconnect to a streaming response
+    (after it, `send` is a no-op), so once the body has been read this wrapper keeps listening
+    for `http.disconnect` and sets `scope["metrale.disconnected"]` (an asyncio.Event)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        gone = scope["metrale.disconnected"] = asyncio.Event()
+        body_done = False
+        watcher = None
+
+        async def watch():
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
+
+        async def wrapped_receive():
+            nonlocal body_done, watcher
+            if body_done:
+                await gone.wait()
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                gone.set()
+            elif not message.get("more_body", False):
+                body_done = True
+                watcher = asyncio.get_running_loop().create_task(watch())
+            return message
+
+        try:
+            await self.app(scope, wrapped_receive, send)
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+
+
+# ---- the app --------------------------------------------------------------------------------
+
+def create_app(settings: FrontendSettings):
+    from frontends.routes import add_routes
+
+    worker = Worker(settings)
+    app = falcon.asgi.App(middleware=[AuthMiddleware(worker)])
+    app.req_options.strip_url_path_trailing_slash = True
+    app.add_error_handler(Exception, _on_unexpected)
+    app.add_error_handler(falcon.HTTPError, _on_http_error)
+    app.add_error_handler(APIError, _on_api_error)
+    add_routes(app, worker)
+    return DisconnectWatch(app)
+
+
+def default_settings(engine: dict, **kw) -> FrontendSettings:
+    return FrontendSettings(engine=engine, max_body_bytes=levers.get("METRALE_MAX_BODY_BYTES"),
+                            **kw)

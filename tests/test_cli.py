@@ -1,0 +1,109 @@
+"""The `met` command line: flags, refusals, dump-serve-options, and auth + rate limits on a live
+server of a tiny model."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import requests
+
+from metrale import __version__
+from metrale.cli import default_model_path
+from tests.serving import REPO, Server, make_tiny_chat_model
+
+
+def met(*args, env=None):
+    full = {k: v for k, v in os.environ.items() if not k.startswith("METRALE_")}
+    full.update(env or {})
+    return subprocess.run([sys.executable, "-m", "metrale.cli", *args], cwd=REPO, env=full,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_version_and_help():
+    out = met("--version")
+    assert out.returncode == 0 and __version__ in out.stdout
+    out = met("--help")
+    assert out.returncode == 0
+    for command in ("serve", "frontend", "events", "dump-serve-options"):
+        assert command in out.stdout
+    out = met("serve", "--help")
+    assert "--enable-prefix-caching" in out.stdout and "--served-model-name" in out.stdout
+
+
+@pytest.mark.parametrize("args", [["--enable-prefix-caching", "true"],
+                                  ["--profile=false"], ["/some/model", "--disable-thinking", "on"]])
+def test_boolean_flags_are_presence_only(args):
+    out = met("serve", *args)
+    assert out.returncode == 2
+    assert "presence-only" in out.stderr and args[-1].split("=")[-1] in out.stderr
+
+
+def test_undeclared_lever_is_refused():
+    out = met("dump-serve-options", env={"METRALE_MAX_BODY_BYTE": "5"})
+    assert out.returncode == 2 and "METRALE_MAX_BODY_BYTE" in out.stderr
+
+
+def test_bad_values_are_refused_with_the_flag_named():
+    out = met("serve", "/nonexistent", "--max-batch-size", "0")
+    assert out.returncode == 2 and "--max-batch-size" in out.stderr
+    out = met("serve", "/nonexistent", "--require-auth")
+    assert out.returncode == 2 and "--auth-token" in out.stderr
+    out = met("serve", "--model-from-path", "/nonexistent")
+    assert out.returncode == 2 and "/nonexistent" in out.stderr
+    out = met("frontend", "--engine", "ipc://nope")
+    assert out.returncode == 2 and "tcp://HOST:PORT" in out.stderr
+
+
+def test_dump_serve_options():
+    out = met("dump-serve-options")
+    assert out.returncode == 0
+    data = json.loads(out.stdout)
+    flags = data["flags"]
+    assert flags["--port"]["default"] == 8888
+    assert flags["--host"]["default"] == "127.0.0.1"
+    assert flags["--max-seq-len"]["default"] == 32768
+    assert flags["--request-timeout"]["default"] == 300
+    assert flags["--tool-max-tokens"]["default"] == 8192
+    assert flags["--enable-prefix-caching"]["boolean"] is True
+    assert "--model-name" in flags["--served-model-name"]["aliases"]
+    names = {lv["name"] for lv in data["levers"]}
+    assert {"METRALE_MAX_BODY_BYTES", "METRALE_RATE_LIMIT_RPM", "METRALE_LOG_LEVEL"} <= names
+
+
+def test_default_model_is_the_embedded_smollm2():
+    assert default_model_path().endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def test_auth_and_rate_limits(tmp_path):
+    model = make_tiny_chat_model(tmp_path / "tiny")
+    keys = tmp_path / "keys"
+    keys.write_text("# comment\nk2\n")
+    srv = Server(["serve", str(model), "--frontends", "1", "--max-seq-len", "256",
+                  "--no-event-log", "--require-auth", "--auth-token", "k1", "--auth-tokens-file",
+                  str(keys), "--metrics-public"], tmp_path / "serve.log",
+                 env={"METRALE_RATE_LIMIT_RPM": "3"})
+    try:
+        srv.wait_healthy()
+        models = srv.url + "/v1/models"
+        r = requests.get(models)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert requests.get(models, headers={"Authorization": "Bearer nope"}).status_code == 401
+        assert requests.get(models, headers={"Authorization": "Bearer k1"}).status_code == 200
+        assert requests.get(models, headers={"x-api-key": "k2"}).status_code == 200
+        assert requests.post(srv.url + "/tokenize", json={"prompt": "a"}).status_code == 401
+        assert requests.get(srv.url + "/metrics").status_code == 200     # --metrics-public
+
+        def complete(key):
+            return requests.post(srv.url + "/v1/completions", json={"prompt": "a",
+                                 "max_tokens": 1}, headers={"Authorization": f"Bearer {key}"})
+        answers = [complete("k1") for _ in range(4)]
+        assert [a.status_code for a in answers] == [200, 200, 200, 429]
+        assert answers[0].headers["x-ratelimit-limit-requests"] == "3"
+        assert int(answers[3].headers["Retry-After"]) >= 1
+        assert answers[3].json()["error"]["type"] == "rate_limit_error"
+        assert complete("k2").status_code == 200      # another key has its own bucket
+    finally:
+        assert srv.stop() == 0    # SIGTERM: engine and workers stop cleanly
