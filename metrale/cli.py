@@ -99,6 +99,9 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
                    help="the name /v1/models reports (default: from the checkpoint)")
     m.add_argument("--cache-dir", help="HF cache root (default $HF_HUB_CACHE, $HF_HOME/hub, "
                                        "~/.cache/huggingface/hub)")
+    m.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="dummy: the folder's config and tokenizer with random weights made on the "
+                        "device (benchmarks and profiling of real shapes without weight files)")
     m.add_argument("--disable-template-overrides", action="store_true",
                    help="use the checkpoint's chat template even when jinja-templates/ has one")
     _add_frontend_flags(p)
@@ -264,6 +267,7 @@ def cmd_serve(args) -> int:
         cache_dir=args.cache_dir,
         model_name=args.model_name or (DEFAULT_MODEL_NAME if model == _maybe_default() else None),
         journal_dir=journal, disable_template_overrides=args.disable_template_overrides,
+        load_format=args.load_format,
         frontend={"disable_thinking": args.disable_thinking,
                   "tool_call_parser": args.tool_call_parser,
                   "max_thinking_budget": args.max_thinking_budget,

@@ -37,6 +37,7 @@ class EngineSpec:
     disable_template_overrides: bool = False
     frontend: dict = field(default_factory=dict)   # disable_thinking, tool parser, ...
     progress: bool = True
+    load_format: str = "auto"                      # auto | dummy (random weights, benchmarks)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -81,7 +82,8 @@ def build_server(spec: EngineSpec):
     from metrale.tokenizer import Tokenizer
 
     t0 = time.monotonic()
-    ckpt = load_checkpoint(spec.model, cache_dir=spec.cache_dir, name=spec.model_name)
+    ckpt = load_checkpoint(spec.model, cache_dir=spec.cache_dir, name=spec.model_name,
+                           load_format=spec.load_format, device=_weights_device(spec))
     tokenizer = Tokenizer.from_checkpoint(ckpt)
     try:
         template = load_chat_template(ckpt.model_type, ckpt.chat_template,
@@ -127,6 +129,14 @@ def build_server(spec: EngineSpec):
     log.info("engine serving %s (%s) in %.1fs on %s", ckpt.name, ckpt.model_type,
              time.monotonic() - t0, spec.addresses["submit"])
     return server
+
+
+def _weights_device(spec: EngineSpec) -> str:
+    """Where dummy weights are made: the engine's device."""
+    from metrale.backends import cuda_available
+
+    device = spec.engine_config.get("device", "auto")
+    return ("cuda" if cuda_available() else "cpu") if device == "auto" else device
 
 
 def _progress_bar(spec: EngineSpec, ckpt):

@@ -51,5 +51,13 @@ for shape in ${LADDER-smollm2_135m qwen3_5_9b qwen3_5_27b qwen3_5_35b_a3b}; do
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
 
+# the same ladder through met serve --load-format dummy and streaming HTTP clients
+for shape in ${LADDER_HTTP-smollm2_135m qwen3_5_9b}; do
+  echo "== http ladder $shape"
+  "$PY" perf/ladder.py --http --shape "$shape" --osl "${LADDER_OSL:-256}" --conc "${LADDER_CONC:-1,2,4,8,16,32,64,128}" \
+    --reps "${LADDER_REPS:-3}" --out "$OUTDIR" 2>&1 | tee "$OUTDIR/ladder_http_$shape.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+done
+
 echo "gpu_run.sh: status $status, logs in $OUTDIR"
 exit $status

@@ -1,7 +1,10 @@
-"""The concurrency ladder, engine-only (no HTTP): the seed's workload on real model shapes with
-synthetic bf16 weights made on the GPU. A benchmark, not a test.
+"""The concurrency ladder: the seed's workload on real model shapes with synthetic bf16 weights
+made on the GPU. A benchmark, not a test. Engine-only (no HTTP) by default; `--http` runs the
+same ladder through `met serve --load-format dummy` with streaming clients, so the serving
+overhead is the difference between the two records.
 
     python perf/ladder.py --shape qwen3_5_9b --osl 256 --conc 1,2,4,8,16,32,64,128 --out DIR
+    python perf/ladder.py --http --shape qwen3_5_9b ...
 
 Per rung: C requests of ISL random prompt tokens, OSL generated tokens each (ignore_eos,
 temperature 0), 1 warm-up + REPS timed repetitions; reported: aggregate tok/s (mean of reps),
@@ -45,6 +48,10 @@ SHAPES = {
                         linear_num_value_heads=48, linear_key_head_dim=128,
                         linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4),
     "qwen3_5_35b_a3b": dict(model_type="qwen3_5_moe"),
+    # a few-MB shape to check the harness itself on the CPU backend
+    "tiny_llama": dict(model_type="llama", hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                       vocab_size=512, tie_word_embeddings=True, max_position_embeddings=4096),
 }
 
 
@@ -179,6 +186,92 @@ def run_rung(core, conc: int, isl: int, osl: int, vocab: int, rng) -> dict:
                 decode_step_p50_ms=1e3 * statistics.median(decode_steps) if decode_steps else None)
 
 
+def write_model_folder(shape: str, folder: Path) -> Path:
+    """An HF folder for `met serve --load-format dummy`: config.json plus a word-level tokenizer
+    over the whole vocab ('<id>' tokens), since synthetic weights come with no real tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    config, model_type = hf_config(shape)
+    cfg = config.to_dict()
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    vocab = {f"<{i}>": i for i in range(cfg["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<0>"}))
+    return folder
+
+
+async def _stream_one(client, url, model, ids, osl):
+    t0 = time.perf_counter()
+    first = last = None
+    usage = 0
+    body = {"model": model, "prompt": ids, "max_tokens": osl, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    async with client.stream("POST", url, json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            now = time.perf_counter()
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                first = first or now
+                last = now
+            if chunk.get("usage"):
+                usage = chunk["usage"]["completion_tokens"]
+    return t0, first, last, usage
+
+
+def run_http_rung(base: str, model: str, conc: int, isl: int, osl: int, vocab: int, rng) -> dict:
+    import asyncio
+
+    import httpx
+
+    async def go():
+        limits = httpx.Limits(max_connections=conc + 8, max_keepalive_connections=conc + 8)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+            prompts = [[int(t) for t in rng.integers(100, vocab - 100, isl)] for _ in range(conc)]
+            t0 = time.perf_counter()
+            res = await asyncio.gather(*(_stream_one(client, base + "/v1/completions", model, p,
+                                                     osl) for p in prompts))
+            return t0, res
+
+    t0, res = asyncio.run(go())
+    wall = max(r[2] for r in res) - t0
+    tokens = sum(r[3] for r in res)
+    ttft = [r[1] - r[0] for r in res]
+    itl = [(r[2] - r[1]) / max(1, osl - 1) for r in res]
+    return dict(tok_s=tokens / wall, wall_s=wall, ttft_p50_ms=1e3 * statistics.median(ttft),
+                itl_p50_ms=1e3 * statistics.median(itl), decode_step_p50_ms=None,
+                completion_tokens=tokens)
+
+
+def start_server(folder: Path, args, max_conc: int, port: int):
+    """`met serve --load-format dummy` on the shape's folder; returns the process once healthy."""
+    import httpx
+
+    cmd = [sys.executable, "-m", "metrale.cli", "serve", str(folder), "--load-format", "dummy",
+           "--device", args.device, "--port", str(port), "--max-batch-size", str(max_conc),
+           "--max-num-seqs", str(max_conc), "--max-seq-len", str(args.isl + args.osl + 32),
+           "--frontends", str(args.frontends), "--no-event-log", "--swap-space-gb", "0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"met serve exited {proc.returncode}: {proc.stderr.read()[-3000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    proc.kill()
+    raise RuntimeError("met serve did not become healthy in 900 s")
+
+
 def git_commit() -> str:
     env = os.environ.get("GIT_COMMIT")
     if env:
@@ -198,7 +291,13 @@ def main(argv=None) -> int:
     ap.add_argument("--conc", default="1,2,4,8,16,32,64,128")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default="perf/results")
+    ap.add_argument("--http", action="store_true", help="through met serve and HTTP clients")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--frontends", type=int, default=4)
+    ap.add_argument("--port", type=int, default=8899)
     args = ap.parse_args(argv)
+    if args.http:
+        return main_http(args)
     import cupy as cp
 
     from metrale.config import EngineConfig
@@ -245,6 +344,54 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
     path = out / f"ladder_{args.shape}_osl{args.osl}_{stamp}.json"
+    path.write_text(json.dumps(record, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+def main_http(args) -> int:
+    import tempfile
+
+    rungs = [int(c) for c in args.conc.split(",")]
+    folder = write_model_folder(args.shape, Path(tempfile.mkdtemp(prefix="metrale-ladder-")))
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    t0 = time.perf_counter()
+    proc = start_server(folder, args, max(rungs), args.port)
+    load_s = time.perf_counter() - t0
+    base = f"http://127.0.0.1:{args.port}"
+    rng = np.random.default_rng(0)
+    results = []
+    try:
+        model = __import__("httpx").get(base + "/v1/models").json()["data"][0]["id"]
+        for conc in rungs:
+            run_http_rung(base, model, conc, args.isl, args.osl, vocab, rng)   # warm-up
+            reps = [run_http_rung(base, model, conc, args.isl, args.osl, vocab, rng)
+                    for _ in range(args.reps)]
+            row = dict(concurrency=conc, tok_s=statistics.mean(r["tok_s"] for r in reps),
+                       tok_s_reps=[r["tok_s"] for r in reps],
+                       ttft_p50_ms=statistics.median(r["ttft_p50_ms"] for r in reps),
+                       itl_p50_ms=statistics.median(r["itl_p50_ms"] for r in reps),
+                       completion_tokens=[r["completion_tokens"] for r in reps])
+            results.append(row)
+            print(f"http {args.shape} C={conc:4d}  {row['tok_s']:10.1f} tok/s  TTFT p50 "
+                  f"{row['ttft_p50_ms']:8.1f} ms  ITL p50 {row['itl_p50_ms']:7.2f} ms", flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    device = args.device
+    if device == "cuda":
+        import cupy as cp
+
+        device = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    record = dict(benchmark="ladder_http", commit=git_commit(),
+                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(), device=device,
+                  shape=args.shape, model_config=SHAPES[args.shape], dtype="bfloat16",
+                  isl=args.isl, osl=args.osl, reps=args.reps, frontends=args.frontends,
+                  load_seconds=load_s, rungs=results)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
+    path = out / f"ladder_http_{args.shape}_osl{args.osl}_{stamp}.json"
     path.write_text(json.dumps(record, indent=1))
     print(f"wrote {path}")
     return 0

@@ -61,14 +61,25 @@ _RENAMED_PREFIXES = (
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
 
 
-def load_checkpoint(model: str, cache_dir: str | None = None, name: str | None = None) -> Checkpoint:
+def load_checkpoint(model: str, cache_dir: str | None = None, name: str | None = None,
+                    load_format: str = "auto", device: str = "cpu") -> Checkpoint:
     """Load `model` (HF folder, `.gguf` file, or `org/name` in the local HF cache).
 
+    `load_format="dummy"` reads only the folder's config and tokenizer files and makes random
+    weights on `device` as the model asks for them (metrale.models.dummy): benchmarks of real
+    shapes without weight files.
     `cache_dir` overrides the HF hub cache folder (default: $HF_HUB_CACHE, else $HF_HOME/hub, else
     ~/.cache/huggingface/hub); for GGUF files it is also where the generated tokenizer.json goes.
     `name` overrides what /v1/models reports (default: the model id, folder or file name).
     """
     path, model_id = resolve_model_path(model, cache_dir)
+    if load_format == "dummy":
+        from metrale.models.dummy import dummy_from
+
+        return dummy_from(load_hf_folder(path, name=name or model_id or _default_folder_name(path),
+                                         weights=False), device)
+    if load_format != "auto":
+        raise CheckpointError(f"unknown load format {load_format!r}: use auto or dummy")
     if os.path.isfile(path):
         if not _is_gguf_file(path):
             raise CheckpointError(
@@ -157,10 +168,11 @@ def _default_folder_name(folder: str) -> str:
 # HF folders
 
 
-def load_hf_folder(folder: str, name: str) -> Checkpoint:
-    """A Checkpoint over an HF checkpoint folder (config.json + safetensors + tokenizer files)."""
+def load_hf_folder(folder: str, name: str, weights: bool = True) -> Checkpoint:
+    """A Checkpoint over an HF checkpoint folder (config.json + safetensors + tokenizer files);
+    `weights=False` skips the safetensors (the dummy load format needs none)."""
     config = read_text_config(folder)
-    tensors = SafetensorsTensors(_safetensors_files(folder))
+    tensors = SafetensorsTensors(_safetensors_files(folder) if weights else [])
     tokenizer_config = _read_json_if_present(os.path.join(folder, "tokenizer_config.json")) or {}
     tokenizer_json = os.path.join(folder, "tokenizer.json")
     return Checkpoint(
