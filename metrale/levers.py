@@ -24,10 +24,13 @@ class Lever:
 LEVERS: dict[str, Lever] = {lv.name: lv for lv in (
     Lever("METRALE_MAX_BODY_BYTES", int, 32 * 2**20, "frontends/app.py",
           "largest accepted request body in bytes; larger bodies get 413"),
-    Lever("METRALE_MAX_HEADER_BYTES", int, 16 * 1024, "frontends/app.py",
+    Lever("METRALE_MAX_HEADER_BYTES", int, 16 * 1024, "frontends/limits.py",
           "largest accepted total size of request headers; larger get 431"),
-    Lever("METRALE_BODY_TIMEOUT_S", float, 30.0, "frontends/gunicorn_conf.py",
-          "seconds a client may take to send its request before it is cut off"),
+    Lever("METRALE_BODY_TIMEOUT_S", float, 30.0, "frontends/limits.py",
+          "seconds a client may take to send its request head, and then its body, before it "
+          "is cut off with 408"),
+    Lever("METRALE_MAX_MESSAGES", int, 2048, "frontends/limits.py",
+          "most entries accepted in a request's 'messages' array; more get 400"),
     Lever("METRALE_RATE_LIMIT_RPM", int, 0, "metrale/ratelimit.py",
           "requests per minute per key (per client address when auth is off); 0 = off"),
     Lever("METRALE_RATE_LIMIT_TPM", int, 0, "metrale/ratelimit.py",
@@ -36,9 +39,17 @@ LEVERS: dict[str, Lever] = {lv.name: lv for lv in (
           "request bucket capacity; 0 = the RPM cap"),
     Lever("METRALE_RATE_LIMIT_BURST_TPM", int, 0, "metrale/ratelimit.py",
           "token bucket capacity; 0 = the TPM cap"),
+    Lever("METRALE_RATE_LIMIT_MAX_KEYS", int, 10_000, "metrale/ratelimit.py",
+          "most keys the rate limiter tracks; the least recently seen is dropped beyond it"),
     Lever("METRALE_LOG_LEVEL", str, "info", "metrale/cli.py", "debug | info | warning | error"),
     Lever("METRALE_KERNEL_CACHE", str, "", "metrale/backends/cuda.py",
           "directory of compiled CUDA kernels; empty = ~/.cache/metrale/kernels"),
+    Lever("METRALE_KERNELS_DIR", str, "", "metrale/backends/cuda.py",
+          "directory of the .cu sources; empty = kernels_cuda/ of this checkout"),
+    Lever("METRALE_CUBLAS", str, "", "metrale/backends/cublas.py",
+          "path of libcublas to load; empty = the nvidia pip package, cupy's or the toolkit's"),
+    Lever("METRALE_CUDA_POISON", str, "", "metrale/backends/cuda.py",
+          "1 = fill every new CUDA op output with NaN first (tests: catches unwritten outputs)"),
 )}
 
 

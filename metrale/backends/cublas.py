@@ -16,6 +16,8 @@ import ctypes.util
 import glob
 import os
 
+from metrale import levers
+
 # cudaDataType / cublasComputeType_t / cublasOperation_t / cublasGemmAlgo_t values (cublas_api.h,
 # library_types.h)
 CUDA_R_32F = 0
@@ -45,7 +47,7 @@ def _candidates(major: int | None) -> list[str]:
     names = [f"libcublas.so.{major}"] if major else []
     names += ["libcublas.so.13", "libcublas.so.12", "libcublas.so"]
     paths: list[str] = []
-    env = os.environ.get("METRALE_CUBLAS")
+    env = levers.get("METRALE_CUBLAS")
     if env:
         paths.append(env)
     try:  # the `nvidia-cublas` pip package (nvidia/cu13/lib or nvidia/cublas/lib)

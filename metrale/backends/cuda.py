@@ -26,6 +26,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from metrale import levers
 from metrale.backends import cublas as _cublas
 from metrale.forward import ForwardBatch
 
@@ -33,8 +34,8 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
 I32 = np.dtype(np.int32)
 
-KERNEL_DIR = Path(os.environ.get("METRALE_KERNELS_DIR", Path(__file__).resolve().parents[2] / "kernels_cuda"))
-CACHE_DIR = Path(os.environ.get("METRALE_KERNEL_CACHE", Path.home() / ".cache" / "metrale" / "kernels"))
+KERNEL_DIR = Path(levers.get("METRALE_KERNELS_DIR") or Path(__file__).resolve().parents[2] / "kernels_cuda")
+CACHE_DIR = Path(levers.get("METRALE_KERNEL_CACHE") or Path.home() / ".cache" / "metrale" / "kernels")
 NVCC_OPTIONS = ("-std=c++17", "-O3", "-lineinfo")   # no --use_fast_math: accuracy-sensitive kernels
 
 # attention tiling, must match kernels_cuda/attention.cu (MT_ATTN instantiations: "simt")
@@ -178,7 +179,7 @@ class CudaOps:
         # attention kernels: "mma" (tensor cores) or "simt" (CUDA-core fallback), for both paths,
         # or per path as "decode=simt,prefill=mma"
         self.attn_decode_impl, self.attn_prefill_impl = self._parse_attn_impl(attn_impl)
-        self.poison = os.environ.get("METRALE_CUDA_POISON", "") == "1"  # NaN-fill new outputs (tests)
+        self.poison = levers.get("METRALE_CUDA_POISON") == "1"  # NaN-fill new outputs (tests)
         self._cublas = None
         self._smem_set: set = set()
         self._staging: list = []            # pinned upload buffers, with their copy-done events
