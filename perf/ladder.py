@@ -334,19 +334,25 @@ def main(argv=None) -> int:
               f"{row['ttft_p50_ms']:8.1f} ms  ITL p50 {row['itl_p50_ms']:7.2f} ms  step "
               f"{row['decode_step_p50_ms'] or 0:7.2f} ms  roofline {roof_ms:6.2f} ms", flush=True)
     params = sum(int(np.prod(s)) for s in shapes.values())
-    record = dict(benchmark="ladder_engine_only", commit=git_commit(),
-                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                  device=cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-                  copy_bandwidth_Bps=bw, shape=args.shape, model_config=SHAPES[args.shape],
-                  params=params, dtype="bfloat16", isl=args.isl, osl=args.osl, reps=args.reps,
-                  load_seconds=load_s, rungs=results)
+    write_record(args, "ladder", dict(
+        benchmark="ladder_engine_only",
+        device=cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), copy_bandwidth_Bps=bw,
+        params=params, load_seconds=load_s, rungs=results))
+    return 0
+
+
+def write_record(args, prefix: str, record: dict) -> Path:
+    """perf results JSON: commit, date, shape and workload first, then the figures."""
+    record = dict(commit=git_commit(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                  shape=args.shape, model_config=SHAPES[args.shape], dtype="bfloat16",
+                  isl=args.isl, osl=args.osl, reps=args.reps, **record)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
-    path = out / f"ladder_{args.shape}_osl{args.osl}_{stamp}.json"
+    path = out / f"{prefix}_{args.shape}_osl{args.osl}_{stamp}.json"
     path.write_text(json.dumps(record, indent=1))
     print(f"wrote {path}")
-    return 0
+    return path
 
 
 def main_http(args) -> int:
@@ -383,17 +389,9 @@ def main_http(args) -> int:
         import cupy as cp
 
         device = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    record = dict(benchmark="ladder_http", commit=git_commit(),
-                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(), device=device,
-                  shape=args.shape, model_config=SHAPES[args.shape], dtype="bfloat16",
-                  isl=args.isl, osl=args.osl, reps=args.reps, frontends=args.frontends,
-                  load_seconds=load_s, rungs=results)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
-    path = out / f"ladder_http_{args.shape}_osl{args.osl}_{stamp}.json"
-    path.write_text(json.dumps(record, indent=1))
-    print(f"wrote {path}")
+    write_record(args, "ladder_http", dict(benchmark="ladder_http", device=device,
+                                            frontends=args.frontends, load_seconds=load_s,
+                                            rungs=results))
     return 0
 
 
