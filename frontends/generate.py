@@ -12,6 +12,12 @@ engine: no slot is held for output nobody will read.
 
 Stop strings are matched here, on detokenized text (the engine sees only token ids). Text that
 could still be the start of a stop string is held back; the stop string itself is never sent.
+
+Chat choices carry a `ChatPlan`: their text (after stop strings) also runs through one
+`ChatOutputParser` per choice (reasoning split first, then the tool-call parser on the content
+only), and every ChoiceText / ChoiceDone carries the parsed `events`. The non-streamed response
+is the fold of the same events the stream sends, so the two cannot disagree. A `prefill` (text
+the frontend appended to the prompt to force a tool call) is fed to the parser before the output.
 """
 from __future__ import annotations
 
@@ -21,10 +27,53 @@ from dataclasses import dataclass, field
 
 from metrale.api import errors
 from metrale.api.errors import APIError
+from metrale.api.reasoning import ChatOutputParser, ReasoningParser
+from metrale.api.tool_parsers import (ToolArgsDelta, ToolCallEnd, ToolCallStart,
+                                      make_tool_parser)
 from metrale.client import AsyncEngineClient, EngineUnavailable
 from metrale.tokenizer import IncrementalDetokenizer, Tokenizer
 
 LIVENESS_CHECK_S = 5.0
+
+
+# How `tool_choice` "required" / a named function is enforced: the assistant turn is prefilled
+# with the format's call opening (appended to the rendered prompt after the generation prompt),
+# so the model can only continue inside a call; the prefill is parsed together with the output.
+# parser -> (any call, one named call: "{name}" is replaced)
+TOOL_PREFILLS = {
+    "hermes": ("<tool_call>\n", '<tool_call>\n{{"name": "{name}", "arguments": '),
+    "poolside_v1": ("<tool_call>\n", '<tool_call>\n{{"name": "{name}", "arguments": '),
+    "qwen3_coder": ("<tool_call>\n", "<tool_call>\n<function={name}>\n"),
+    "qwen3_xml": ("<tool_call>\n", "<tool_call>\n<function={name}>\n"),
+    "mistral": ("[TOOL_CALLS]", '[TOOL_CALLS][{{"name": "{name}", "arguments": '),
+    "minimax_xml": ("<minimax:tool_call>\n", '<minimax:tool_call>\n<invoke name="{name}">\n'),
+    "bare_json": ('{"name": "', '{{"name": "{name}", "arguments": '),
+    "gemma4": ("<|tool_call>call:", "<|tool_call>call:{name}{{"),
+}
+
+
+def tool_prefill(parser: str, name: str | None) -> str:
+    """The assistant text that forces a call (any declared one, or `name`)."""
+    any_call, named = TOOL_PREFILLS[parser]
+    return named.format(name=name) if name else any_call
+
+
+@dataclass
+class ChatPlan:
+    """How a chat choice's text is read (see the module docstring)."""
+    tool_parser: str | None = None     # a metrale.api.tool_parsers name; None = no tool parsing
+    tools: list[dict] | None = None    # OpenAI-shaped declared tools
+    reasoning: bool = False            # split <think> ... </think> off the answer
+    starts_in_reasoning: bool = False  # the prompt opened the think block
+    prefill: str = ""                  # assistant text appended to the prompt, parsed first
+    parallel: bool = True              # False: calls after the first are dropped
+
+    def parser(self) -> ChatOutputParser:
+        reasoning = ReasoningParser(starts_in_reasoning=self.starts_in_reasoning) \
+            if self.reasoning else None
+        tools = make_tool_parser(self.tool_parser, self.tools) \
+            if self.tool_parser and self.tools else None
+        return ChatOutputParser(reasoning, tools)
 
 
 @dataclass
@@ -33,6 +82,7 @@ class ChoiceSpec:
     prompt_ids: list[int]
     params: dict                       # SamplingParams.to_dict(), n = 1
     stop: list[str] = field(default_factory=list)
+    plan: ChatPlan | None = None
 
 
 @dataclass
@@ -47,6 +97,7 @@ class ChoiceText:
     index: int
     text: str
     tokens: list[TokenInfo]
+    events: list | None = None         # parsed ChatEvents (chat plans only)
 
 
 @dataclass
@@ -58,6 +109,9 @@ class ChoiceDone:
     num_cached_tokens: int
     text: str = ""                     # the final piece (flushed / cut at a stop string)
     tokens: list[TokenInfo] = field(default_factory=list)
+    events: list | None = None         # the final parsed ChatEvents (chat plans only)
+    stop_string: str | None = None     # the stop string that ended the output, if one did
+    num_calls: int = 0                 # tool calls in the whole choice
 
 
 class StopMatcher:
@@ -67,6 +121,7 @@ class StopMatcher:
     def __init__(self, stops: list[str]):
         self.stops = stops
         self.buf = ""
+        self.matched: str | None = None
 
     def feed(self, text: str) -> tuple[str, bool]:
         """-> (text that is final, whether a stop string matched)."""
@@ -74,9 +129,10 @@ class StopMatcher:
         if not self.stops:
             out, self.buf = self.buf, ""
             return out, False
-        hits = [i for i in (self.buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((self.buf.find(s), s) for s in self.stops) if i >= 0]
         if hits:
-            out, self.buf = self.buf[:min(hits)], ""
+            at, self.matched = min(hits, key=lambda h: h[0])
+            out, self.buf = self.buf[:at], ""
             return out, True
         keep = self._held()
         out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
@@ -105,6 +161,26 @@ class _Choice:
         self.produced = 0      # chars out of the detokenizer
         self.emitted = 0       # chars released to the client
         self.num_tokens = 0    # tokens consumed (usage counts these)
+        plan = spec.plan
+        self.parser = plan.parser() if plan else None
+        self.parallel = plan.parallel if plan else True
+        self.num_calls = 0
+        self._pending_events = self.parser.feed(plan.prefill) if plan and plan.prefill else []
+
+    def events(self, text: str, final: bool = False) -> list | None:
+        """The parsed events of the next piece of text (None without a chat plan)."""
+        if self.parser is None:
+            return None
+        events, self._pending_events = self._pending_events, []
+        if text:
+            events += self.parser.feed(text)
+        if final:
+            events += self.parser.finish()
+        if not self.parallel:
+            events = [e for e in events if not isinstance(
+                e, (ToolCallStart, ToolArgsDelta, ToolCallEnd)) or e.index == 0]
+        self.num_calls += sum(isinstance(e, ToolCallStart) for e in events)
+        return events
 
     def feed(self, delta) -> tuple[str, list[TokenInfo], bool]:
         text, stopped = "", False
@@ -216,7 +292,8 @@ class Generation:
                     self._done(spec, choice, delta, text, tokens, stopped)
                     return
                 if text or tokens:
-                    self.queue.put_nowait(ChoiceText(spec.index, text, tokens))
+                    self.queue.put_nowait(ChoiceText(spec.index, text, tokens,
+                                                     choice.events(text)))
         except EngineUnavailable as e:
             self.queue.put_nowait(errors.engine_unavailable(str(e)))
         finally:
@@ -230,6 +307,8 @@ class Generation:
                                                             delta.finish_reason)
         num_output = choice.num_tokens if stopped else max(delta.num_output_tokens,
                                                            choice.num_tokens)
+        events = choice.events(text, final=True)
         self.queue.put_nowait(ChoiceDone(
             spec.index, reason, delta.num_prompt_tokens or len(spec.prompt_ids), num_output,
-            delta.num_cached_tokens, text, tokens))
+            delta.num_cached_tokens, text, tokens, events,
+            choice.stops.matched if stopped else None, choice.num_calls))

@@ -1,8 +1,9 @@
 """The HTTP routes of a frontend worker (OpenAI-compatible, plus vLLM's helpers).
 
     GET  /v1/models              the one served model
-    POST /v1/chat/completions    chat (SSE when stream: true)
+    POST /v1/chat/completions    chat (SSE when stream: true), tools and reasoning
     POST /v1/completions         legacy completions (SSE when stream: true)
+    POST /v1/messages            Anthropic Messages (frontends.anthropic), + /count_tokens
     POST /tokenize, /detokenize  tokenizer round trip (vLLM's shapes)
     GET  /health                 200 serving, 503 loading or engine gone
     GET  /metrics                the engine's Prometheus text
@@ -10,20 +11,44 @@
 A request is validated (metrale.api.openai_schema), rendered and tokenized here, rate-limited
 through the engine, then run as a `Generation` (frontends.generate) whose events become either
 one JSON response or an SSE stream.
+
+Chat (both APIs) goes through `prepare_chat`: tools and tool_choice, the tool-call parser
+(--tool-call-parser, else the model type's default), reasoning, the thinking budget and the
+prefill that enforces tool_choice "required" / named (see frontends.generate.TOOL_PREFILLS):
+
+  * tool_choice "none": tools are not rendered into the prompt and nothing is parsed as a call.
+  * "required" / named: the assistant turn is prefilled with the call opening, e.g. hermes
+    `<tool_call>\n` or `<tool_call>\n{"name": "NAME", "arguments": ` (after `</think>` when the
+    prompt opened a think block: forced calls skip thinking). A model that then writes
+    something unreadable gets its text back as content with finish_reason "stop".
+  * tools with no parser for the model -> 400 naming --tool-call-parser.
+  * reasoning is split off when the template or the vocabulary knows `<think>`; it stays on under
+    --disable-thinking / enable_thinking=false (which only reach the template), so a model that
+    thinks anyway never leaks its thoughts into the answer.
+  * thinking budget: min(request, --max-thinking-budget); the request gives it as OpenAI
+    `max_thinking_tokens` (or `chat_template_kwargs.thinking_budget`) or Anthropic
+    `thinking.budget_tokens`. The engine forces "\n</think>\n\n" when it is used up
+    (metrale.thinking); models without single `<think>`/`</think>` tokens refuse a budget.
+  * --tool-max-tokens caps max_tokens whenever tools are present.
 """
 from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 
 import falcon
 import orjson
 
 from frontends.app import Worker, read_json
-from frontends.generate import ChoiceDone, ChoiceSpec, Generation, TokenInfo
+from frontends.generate import (ChatPlan, ChoiceDone, ChoiceSpec, Generation, TokenInfo,
+                                tool_prefill)
 from metrale.api import errors
 from metrale.api import openai_schema as schema
 from metrale.api.errors import APIError
+from metrale.api.reasoning import ReasoningDelta
+from metrale.api.tool_parsers import (PARSERS, TextDelta, ToolArgsDelta, ToolCallStart,
+                                      ToolChoice, collect, default_tool_parser)
 from metrale.chat import ChatTemplateError, normalize_messages
 from metrale.client import EngineUnavailable
 from metrale.sampling import apply_generation_defaults
@@ -130,26 +155,98 @@ def _check_ids(worker: Worker, ids: list[int], param: str) -> None:
 
 
 def _render_chat(worker: Worker, chat: schema.ChatRequest) -> str:
+    return render_prompt(worker, chat.messages, chat.tools, chat.chat_template_kwargs,
+                         chat.add_generation_prompt, chat.continue_final_message)
+
+
+def render_prompt(worker: Worker, messages: list[dict], tools: list[dict] | None,
+                  kwargs: dict, add_generation_prompt: bool = True,
+                  continue_final_message: bool = False) -> str:
     template = worker.template
     if template is None:
         raise errors.invalid("this model has no chat template; use /v1/completions", "messages")
-    kwargs = dict(chat.chat_template_kwargs)
+    kwargs = dict(kwargs)
     if worker.info.get("frontend", {}).get("disable_thinking"):
         kwargs["enable_thinking"] = False
     try:
-        messages = normalize_messages(chat.messages, template.content_format)
-        return template.render(messages, tools=chat.tools,
-                               add_generation_prompt=chat.add_generation_prompt,
-                               continue_final_message=chat.continue_final_message,
+        messages = normalize_messages(messages, template.content_format)
+        return template.render(messages, tools=tools,
+                               add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message,
                                chat_template_kwargs=kwargs)
     except ChatTemplateError as e:
         raise errors.invalid(str(e), "messages")
 
 
+THINK_START, THINK_END, FORCED_CLOSE = "<think>", "</think>", "\n</think>\n\n"
+
+
+def tool_parser_name(worker: Worker) -> str | None:
+    info = worker.info
+    return info.get("frontend", {}).get("tool_call_parser") or \
+        default_tool_parser(info.get("model_type") or "")
+
+
+def knows_reasoning(worker: Worker) -> bool:
+    template = worker.template
+    return any(THINK_START in src for src in template.sources.values()) or \
+        worker.tokenizer.token_to_id(THINK_END) is not None
+
+
+@dataclass
+class PreparedChat:
+    ids: list[int]             # the prompt (prefill included)
+    plan: ChatPlan
+    sampling: dict             # extra SamplingParams fields (thinking budget)
+    max_tokens_cap: int | None
+
+
+def prepare_chat(worker: Worker, messages: list[dict], *, tools: list[dict] | None,
+                 choice: ToolChoice, parallel: bool = True, kwargs: dict | None = None,
+                 thinking_budget: int | None = None, add_generation_prompt: bool = True,
+                 continue_final_message: bool = False) -> PreparedChat:
+    """Render, decide how the output is read, and tokenize one chat request (both APIs)."""
+    fs = worker.info.get("frontend", {})
+    kwargs = dict(kwargs or {})
+    parser = None
+    if tools and choice.mode != "none":
+        parser = tool_parser_name(worker)
+        if parser is None:
+            raise errors.invalid(
+                f"tool calling is not configured for this model (model_type "
+                f"{worker.info.get('model_type')!r} has no default tool-call format); restart "
+                f"the server with --tool-call-parser ({', '.join(PARSERS)})", "tools")
+    rendered_tools = tools if choice.mode != "none" else None
+    text = render_prompt(worker, messages, rendered_tools, kwargs, add_generation_prompt,
+                         continue_final_message)
+    reasoning = knows_reasoning(worker)
+    starts = reasoning and add_generation_prompt and text.rstrip().endswith(THINK_START)
+    plan = ChatPlan(parser, rendered_tools, reasoning, starts, "", parallel)
+    if parser and choice.mode == "required":
+        plan.prefill = (THINK_END + "\n\n" if starts else "") + tool_prefill(parser, choice.name)
+    sampling = {}
+    budgets = [b for b in (thinking_budget, fs.get("max_thinking_budget")) if b is not None]
+    if budgets and reasoning and not (plan.prefill and starts):
+        end_id = worker.tokenizer.token_to_id(THINK_END)
+        start_id = worker.tokenizer.token_to_id(THINK_START)
+        if end_id is None or start_id is None:
+            if thinking_budget is not None:
+                raise errors.invalid("this model has no single <think> / </think> tokens, so a "
+                                     "thinking budget cannot be enforced; drop the budget",
+                                     "thinking")
+        else:
+            sampling = {"thinking_budget": min(budgets), "think_start_id": start_id,
+                        "think_end_id": end_id, "starts_in_thinking": starts,
+                        "forced_close_ids": worker.tokenizer.encode(
+                            FORCED_CLOSE, add_special_tokens=False)}
+    ids = worker.tokenizer.encode(text + plan.prefill, add_special_tokens=False)
+    cap = fs.get("tool_max_tokens") if tools else None
+    return PreparedChat(ids, plan, sampling, cap)
 # ---- generation -----------------------------------------------------------------------------
 
 def _specs(worker: Worker, greq: schema.GenerationParams, prompts: list[list[int]],
-           param: str, max_tokens_cap: int | None = None) -> list[ChoiceSpec]:
+           param: str, max_tokens_cap: int | None = None, plan: ChatPlan | None = None,
+           extra_sampling: dict | None = None) -> list[ChoiceSpec]:
     """Validated engine submissions: one per (prompt, choice)."""
     info = worker.info
     limit = info["max_seq_len"]
@@ -169,7 +266,8 @@ def _specs(worker: Worker, greq: schema.GenerationParams, prompts: list[list[int
                            f"asked for {len(ids) + max_tokens} ({len(ids)} in the prompt, "
                            f"{max_tokens} in the completion); lower max_tokens",
                            param="max_tokens", code="context_length_exceeded")
-        fields = dict(greq.sampling, max_tokens=max_tokens, logprobs=greq.logprobs)
+        fields = dict(greq.sampling, max_tokens=max_tokens, logprobs=greq.logprobs,
+                      **(extra_sampling or {}))
         try:
             params = apply_generation_defaults(fields, info.get("generation_config"),
                                                info.get("sampling_defaults"))
@@ -179,7 +277,7 @@ def _specs(worker: Worker, greq: schema.GenerationParams, prompts: list[list[int
             d = params.to_dict()
             if params.seed is not None:
                 d["seed"] = params.seed + i
-            specs.append(ChoiceSpec(p * greq.n + i, ids, d, greq.stop))
+            specs.append(ChoiceSpec(p * greq.n + i, ids, d, greq.stop, plan))
     return specs
 
 
@@ -221,6 +319,7 @@ class _Generate(_Resource):
     async def _collect(self, specs, first, events) -> dict:
         texts = {s.index: [] for s in specs}
         tokens = {s.index: [] for s in specs}
+        parsed = {s.index: [] for s in specs}
         done: dict[int, ChoiceDone] = {}
         event = first
         while True:
@@ -228,12 +327,13 @@ class _Generate(_Resource):
                 raise event
             texts[event.index].append(event.text)
             tokens[event.index].extend(event.tokens)
+            parsed[event.index].extend(event.events or ())
             if isinstance(event, ChoiceDone):
                 done[event.index] = event
                 if len(done) == len(specs):
                     break
             event = await events.__anext__()
-        return {i: ("".join(texts[i]), tokens[i], done[i]) for i in texts}
+        return {i: ("".join(texts[i]), tokens[i], done[i], parsed[i]) for i in texts}
 
     @staticmethod
     def _usage(specs, done_by_index) -> dict:
@@ -262,7 +362,8 @@ class _Generate(_Resource):
                     break
                 if isinstance(event, ChoiceDone):
                     done[event.index] = event
-                yield _sse(fmt.chunk(event))
+                for chunk in fmt.chunks(event):
+                    yield _sse(chunk)
                 if len(done) == len(specs):
                     if greq.include_usage:
                         yield _sse(fmt.usage_chunk(self._usage(specs, done)))
@@ -311,19 +412,63 @@ class ChatFormat(_Format):
             yield self._wrap(schema.chat_chunk(self.id, self.created, self.model, [
                 schema.chat_chunk_choice(s.index, {"role": "assistant", "content": ""})]))
 
-    def chunk(self, event) -> dict:
-        delta = {"content": event.text} if event.text else {}
-        reason = event.finish_reason if isinstance(event, ChoiceDone) else None
+    def chunks(self, event) -> list[dict]:
+        """The chunks of one event: one per run of reasoning / content / tool-call pieces, then
+        (when the choice is done) one with finish_reason."""
+        lps = self._logprobs(event.tokens)
+        out = []
+        for delta in _deltas(event.events or []):
+            out.append(self._choice_chunk(event.index, delta, None, lps))
+            lps = None
+        if isinstance(event, ChoiceDone):
+            out.append(self._choice_chunk(event.index, {}, openai_finish(event), lps))
+        elif lps:
+            out.append(self._choice_chunk(event.index, {}, None, lps))
+        return out
+
+    def _choice_chunk(self, index, delta, reason, lps) -> dict:
         return self._wrap(schema.chat_chunk(self.id, self.created, self.model, [
-            schema.chat_chunk_choice(event.index, delta, reason, self._logprobs(event.tokens))]))
+            schema.chat_chunk_choice(index, delta, reason, lps)]))
 
     def usage_chunk(self, use: dict) -> dict:
         return schema.chat_chunk(self.id, self.created, self.model, [], use)
 
     def response(self, result: dict, use: dict) -> dict:
-        choices = [schema.chat_choice(i, text, d.finish_reason, self._logprobs(tokens))
-                   for i, (text, tokens, d) in sorted(result.items())]
+        choices = []
+        for i, (text, tokens, d, events) in sorted(result.items()):
+            reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
+            content, calls = collect(e for e in events if not isinstance(e, ReasoningDelta))
+            choices.append(schema.chat_choice(
+                i, None if calls and not content else content, openai_finish(d),
+                self._logprobs(tokens),
+                [schema.tool_call(c.id, c.name, c.arguments_json) for c in calls],
+                reasoning or None))
         return schema.chat_completion(self.id, self.created, self.model, choices, use)
+
+
+def openai_finish(done: ChoiceDone) -> str:
+    """"tool_calls" only when the choice holds calls and ended by itself."""
+    if done.num_calls and done.finish_reason == "stop":
+        return "tool_calls"
+    return done.finish_reason
+
+
+def _deltas(events) -> list[dict]:
+    """Chat events -> OpenAI chunk deltas, merging runs of reasoning or content text."""
+    out: list[dict] = []
+    for e in events:
+        if isinstance(e, (ReasoningDelta, TextDelta)):
+            key = "reasoning_content" if isinstance(e, ReasoningDelta) else "content"
+            if out and list(out[-1]) == [key]:
+                out[-1][key] += e.text
+            elif e.text:
+                out.append({key: e.text})
+        elif isinstance(e, ToolCallStart):
+            out.append({"tool_calls": [schema.tool_call_delta(e.index, e.id, e.name)]})
+        elif isinstance(e, ToolArgsDelta):
+            out.append({"tool_calls": [schema.tool_call_delta(e.index,
+                                                              arguments=e.json_fragment)]})
+    return out
 
 
 class CompletionFormat(_Format):
@@ -362,20 +507,20 @@ class CompletionFormat(_Format):
                     schema.completion_choice(s.index, echo, None, self._logprobs(
                         s.index, [], echo))], None))
 
-    def chunk(self, event) -> dict:
+    def chunks(self, event) -> list[dict]:
         reason = event.finish_reason if isinstance(event, ChoiceDone) else None
         chunk = schema.completion(self.id, self.created, self.model, [
             schema.completion_choice(event.index, event.text, reason,
                                      self._logprobs(event.index, event.tokens))], None)
         del chunk["usage"]
-        return self._wrap(chunk)
+        return [self._wrap(chunk)]
 
     def usage_chunk(self, use: dict) -> dict:
         return schema.completion(self.id, self.created, self.model, [], use)
 
     def response(self, result: dict, use: dict) -> dict:
         choices = []
-        for i, (text, tokens, d) in sorted(result.items()):
+        for i, (text, tokens, d, _) in sorted(result.items()):
             echo = self._echo(i)
             choices.append(schema.completion_choice(i, echo + text, d.finish_reason,
                                                     self._logprobs(i, tokens, echo)))
@@ -388,11 +533,14 @@ class ChatCompletions(_Generate):
         body = await read_json(req, self.worker.settings)
         chat = schema.parse_chat_request(body)
         schema.check_model(chat.model, info["name"])
-        text = _render_chat(self.worker, chat)
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        cap = info.get("frontend", {}).get("tool_max_tokens") if chat.tools else None
-        specs = _specs(self.worker, chat, [ids], "messages", cap)
-        await self._run(req, resp, chat, specs, [ids], ChatFormat(self.worker, chat, [ids]))
+        p = prepare_chat(self.worker, chat.messages, tools=chat.tools, choice=chat.tool_choice,
+                         parallel=chat.parallel_tool_calls, kwargs=chat.chat_template_kwargs,
+                         thinking_budget=chat.thinking_budget,
+                         add_generation_prompt=chat.add_generation_prompt,
+                         continue_final_message=chat.continue_final_message)
+        specs = _specs(self.worker, chat, [p.ids], "messages", p.max_tokens_cap, p.plan,
+                       p.sampling)
+        await self._run(req, resp, chat, specs, [p.ids], ChatFormat(self.worker, chat, [p.ids]))
 
 
 class Completions(_Generate):
@@ -414,6 +562,8 @@ class Completions(_Generate):
 
 
 def add_routes(app, worker: Worker) -> None:
+    from frontends import anthropic
+
     app.add_route("/health", Health(worker))
     app.add_route("/metrics", Metrics(worker))
     app.add_route("/v1/models", Models(worker))
@@ -421,3 +571,4 @@ def add_routes(app, worker: Worker) -> None:
     app.add_route("/v1/completions", Completions(worker))
     app.add_route("/tokenize", Tokenize(worker))
     app.add_route("/detokenize", Detokenize(worker))
+    anthropic.add_routes(app, worker)

@@ -56,6 +56,13 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0
+    # thinking budget (metrale.thinking): after `thinking_budget` tokens inside the think block
+    # the engine emits `forced_close_ids` instead of sampling. None = no budget.
+    thinking_budget: int | None = None
+    think_start_id: int | None = None
+    think_end_id: int | None = None
+    forced_close_ids: list[int] = field(default_factory=list)
+    starts_in_thinking: bool = False  # the prompt already opened the think block
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -93,6 +100,12 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if not _is_int(t) or t < 0]
         if bad:
             raise ValueError(f"stop_token_ids must be non-negative integers, got {bad!r}")
+        if self.thinking_budget is not None:
+            if not _is_int(self.thinking_budget) or self.thinking_budget < 0:
+                raise ValueError(f"thinking_budget must be an integer >= 0, got "
+                                 f"{self.thinking_budget!r}")
+            if self.think_end_id is None or not self.forced_close_ids:
+                raise ValueError("thinking_budget needs think_end_id and forced_close_ids")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metrale.api.errors import APIError, invalid, model_not_found
+from metrale.api.tool_parsers import (ToolChoice, validate_replayed_tool_call,
+                                      validate_tool_choice, validate_tools)
 
 MAX_N = 64
 MAX_STOP_STRINGS = 16
@@ -48,6 +50,9 @@ class ChatRequest(GenerationParams):
     chat_template_kwargs: dict = field(default_factory=dict)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tool_choice: ToolChoice = field(default_factory=lambda: ToolChoice("none"))
+    parallel_tool_calls: bool = True
+    thinking_budget: int | None = None    # max_thinking_tokens / chat_template_kwargs.thinking_budget
 
 
 @dataclass
@@ -163,8 +168,18 @@ def parse_chat_request(body: Any) -> ChatRequest:
         raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     req.tools = _opt(body, "tools", lambda v: isinstance(v, list)
                      and all(isinstance(t, dict) for t in v), "an array of tool objects") or None
+    try:
+        if req.tools:
+            validate_tools(req.tools)
+        req.tool_choice = validate_tool_choice(body.get("tool_choice"), req.tools)
+    except ValueError as e:
+        raise invalid(str(e), "tools" if str(e).startswith("tools") else "tool_choice")
+    req.parallel_tool_calls = _bool(body, "parallel_tool_calls", True)
     req.chat_template_kwargs = _opt(body, "chat_template_kwargs", lambda v: isinstance(v, dict),
                                     "an object", {})
+    req.thinking_budget = _int_range(body, "max_thinking_tokens", 0, None)
+    if req.thinking_budget is None:
+        req.thinking_budget = _int_range(req.chat_template_kwargs, "thinking_budget", 0, None)
     req.add_generation_prompt = _bool(body, "add_generation_prompt", True)
     req.continue_final_message = _bool(body, "continue_final_message")
     if req.continue_final_message and body.get("add_generation_prompt") is None:
@@ -187,6 +202,20 @@ def _check_message(m: Any, i: int) -> None:
     if content is not None and not isinstance(content, (str, list)):
         raise invalid(f"{where}.content must be a string or an array of content parts, got "
                       f"{_type_name(content)}", f"{where}.content")
+    calls = m.get("tool_calls")
+    if role == "assistant" and calls is not None:
+        if not isinstance(calls, list):
+            raise invalid(f"{where}.tool_calls must be an array", f"{where}.tool_calls")
+        for j, call in enumerate(calls):
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise invalid(f"{where}.tool_calls[{j}] must be {{\"id\", \"type\": "
+                              "\"function\", \"function\": {\"name\", \"arguments\"}}",
+                              f"{where}.tool_calls")
+            try:
+                validate_replayed_tool_call(fn.get("arguments", "{}"))
+            except ValueError as e:
+                raise invalid(f"{where}.tool_calls[{j}]: {e}", f"{where}.tool_calls")
 
 
 # ---- completions ---------------------------------------------------------------------------
@@ -240,12 +269,29 @@ def chat_completion(rid: str, created: int, model: str, choices: list[dict], use
             "choices": choices, "usage": use, "system_fingerprint": None}
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None,
-                logprobs: list[dict] | None) -> dict:
+def chat_choice(index: int, text: str | None, finish_reason: str | None,
+                logprobs: list[dict] | None, tool_calls: list[dict] | None = None,
+                reasoning: str | None = None) -> dict:
+    """`reasoning_content` is vLLM's field for the text of the think block (null when none)."""
     return {"index": index, "message": {"role": "assistant", "content": text,
-                                        "tool_calls": []},
+                                        "reasoning_content": reasoning,
+                                        "tool_calls": tool_calls or []},
             "logprobs": None if logprobs is None else {"content": logprobs},
             "finish_reason": finish_reason}
+
+
+def tool_call(call_id: str, name: str, arguments: str) -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": name,
+                                                            "arguments": arguments}}
+
+
+def tool_call_delta(index: int, call_id: str | None = None, name: str | None = None,
+                    arguments: str = "") -> dict:
+    """One entry of a chunk's delta.tool_calls: the first carries id and name."""
+    if call_id is None:
+        return {"index": index, "function": {"arguments": arguments}}
+    return {"index": index, "id": call_id, "type": "function",
+            "function": {"name": name, "arguments": arguments}}
 
 
 def chat_chunk(rid: str, created: int, model: str, choices: list[dict],

@@ -13,13 +13,14 @@ from metrale.models.checkpoint import Checkpoint, CheckpointError
 from metrale.models.layers import CausalLM
 from metrale.models.llama import build_llama_family
 from metrale.models.qwen3_5 import build_qwen3_5
+from metrale.testing_models import scripted_or
 
 _BUILDERS: dict[str, Callable[[Checkpoint, object], CausalLM]] = {
     "qwen3_5": build_qwen3_5,
     "qwen3_5_moe": build_qwen3_5,
     "qwen3": build_llama_family,
     "qwen2": build_llama_family,
-    "llama": build_llama_family,
+    "llama": scripted_or(build_llama_family),  # TEST-ONLY hook: see metrale.testing_models
 }
 
 # text-config spellings of the same architectures (a loader that flattens text_config may keep them)

@@ -1,0 +1,367 @@
+"""Anthropic Messages API: request validation, conversion to chat-template messages, response
+and error shapes.
+
+    POST /v1/messages {"model", "max_tokens", "messages", "system"?, "tools"?, "tool_choice"?,
+                       "stop_sequences"?, "temperature"?, "top_p"?, "top_k"?, "thinking"?,
+                       "metadata"?, "stream"?}
+
+Conversion to the OpenAI-style messages our chat templates read:
+  * `system` (a string or text blocks) -> a leading {"role": "system"} message;
+  * user text blocks -> one user message; `tool_result` blocks -> {"role": "tool",
+    "tool_call_id": tool_use_id, "content": text}, in order (a tool_result must answer a
+    tool_use of an earlier assistant turn, else 400);
+  * assistant text -> content, `thinking` -> `reasoning_content` (templates that know it render
+    it), `redacted_thinking` is dropped, `tool_use` -> `tool_calls` (id kept, input validated);
+  * image / document / server-tool blocks -> 400 naming the block (text-only models).
+Tools: custom tools `{"name", "description"?, "input_schema"}` -> OpenAI function tools;
+`tool_choice` auto / any / tool / none, `disable_parallel_tool_use`. `thinking` enabled sets the
+template's `enable_thinking` and the thinking budget (`budget_tokens`, < max_tokens); disabled
+sets `enable_thinking=false`; absent leaves the template's default.
+
+The served model answers whatever `model` names (Claude Code sends its own ids, e.g. for its
+background calls); responses carry the served name. Thinking blocks carry an empty
+`signature` (no signature_delta is sent): there is nothing to sign, and replayed thinking is
+read back as plain reasoning text.
+
+Errors: {"type": "error", "error": {"type": "invalid_request_error", "message": "..."}}; an
+engine that is loading, restarting or gone answers 529 overloaded_error (the SDK's
+OverloadedError, retried), a full queue or rate limit 429 rate_limit_error.
+"""
+from __future__ import annotations
+
+import re
+import secrets
+import string
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from metrale.api.errors import APIError, invalid
+from metrale.api.openai_schema import GenerationParams, MAX_STOP_STRINGS, _type_name
+from metrale.api.tool_parsers import (ToolChoice, validate_replayed_tool_call,
+                                      validate_tool_choice, validate_tools)
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
+                408: "timeout_error", 413: "request_too_large", 422: "invalid_request_error",
+                429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
+                529: "overloaded_error"}
+OVERLOADED = 529
+_ALPHABET = string.ascii_letters + string.digits
+_CUSTOM_TOOL_TYPES = (None, "custom")
+_NUMBERS = ("temperature", "top_p")
+
+
+@dataclass
+class MessagesRequest(GenerationParams):
+    messages: list[dict] = field(default_factory=list)    # converted, OpenAI-style
+    tools: list[dict] | None = None                       # OpenAI function tools
+    tool_choice: ToolChoice = field(default_factory=lambda: ToolChoice("none"))
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict = field(default_factory=dict)
+    thinking_budget: int | None = None
+
+
+# ---- errors ----------------------------------------------------------------------------------
+
+def error_status(e: APIError) -> int:
+    return OVERLOADED if e.status == 503 else e.status
+
+
+def error_body(e: APIError) -> dict:
+    status = error_status(e)
+    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": e.message}}
+
+
+def error_json(e: APIError) -> bytes:
+    return orjson.dumps(error_body(e))
+
+
+# ---- ids -------------------------------------------------------------------------------------
+
+def message_id() -> str:
+    return "msg_" + uuid.uuid4().hex
+
+
+def tool_use_id(call_id: str) -> str:
+    """Our parsers' `call_XXXX` ids as Anthropic `toolu_XXXX`."""
+    if call_id.startswith("call_"):
+        return "toolu_" + call_id[5:]
+    return call_id if call_id.startswith("toolu_") else \
+        "toolu_" + "".join(secrets.choice(_ALPHABET) for _ in range(24))
+
+
+# ---- requests --------------------------------------------------------------------------------
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def parse_messages_request(body: Any, count_only: bool = False) -> MessagesRequest:
+    if not isinstance(body, dict):
+        raise invalid(f"the request body must be a JSON object, got {_type_name(body)}")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("model: field required (a string)", "model")
+    max_tokens = body.get("max_tokens")
+    if not count_only:
+        if max_tokens is None:
+            raise invalid("max_tokens: field required", "max_tokens")
+        if not _is_int(max_tokens) or max_tokens < 1:
+            raise invalid(f"max_tokens: must be an integer >= 1, got {max_tokens!r:.40}",
+                          "max_tokens")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise invalid("stream: must be a boolean", "stream")
+    req = MessagesRequest(model=model, stream=stream,
+                          max_tokens=None if count_only else max_tokens,
+                          stop=_stop_sequences(body.get("stop_sequences")),
+                          sampling=_sampling(body))
+    metadata = body.get("metadata")
+    if metadata is not None:
+        if not isinstance(metadata, dict):
+            raise invalid("metadata: must be an object", "metadata")
+        user = metadata.get("user_id")
+        req.user = user if isinstance(user, str) else None
+    req.tools = _tools(body.get("tools"))
+    req.tool_choice, req.parallel_tool_calls = _tool_choice(body.get("tool_choice"), req.tools)
+    _thinking(body.get("thinking"), req, max_tokens if not count_only else None)
+    messages = _system(body.get("system"))
+    req.messages = messages + convert_messages(body.get("messages"))
+    return req
+
+
+def _sampling(body: dict) -> dict:
+    out = {}
+    for name in _NUMBERS:
+        v = body.get(name)
+        if v is not None:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise invalid(f"{name}: must be a number, got {_type_name(v)}", name)
+            out[name] = v
+    if body.get("top_k") is not None:
+        if not _is_int(body["top_k"]) or body["top_k"] < 0:
+            raise invalid("top_k: must be an integer >= 0", "top_k")
+        out["top_k"] = body["top_k"]
+    return out
+
+
+def _stop_sequences(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise invalid("stop_sequences: must be an array of non-empty strings", "stop_sequences")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise invalid(f"stop_sequences: at most {MAX_STOP_STRINGS} strings", "stop_sequences")
+    return list(dict.fromkeys(stop))
+
+
+def _tools(tools: Any) -> list[dict] | None:
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise invalid("tools: must be an array of tool definitions", "tools")
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict):
+            raise invalid(f"tools.{i}: must be an object", "tools")
+        if t.get("type") not in _CUSTOM_TOOL_TYPES:
+            raise invalid(f"tools.{i}: tool type {t.get('type')!r} is not supported; only custom "
+                          "tools ({\"name\", \"description\", \"input_schema\"}) are", "tools")
+        schema = t.get("input_schema")
+        if not isinstance(schema, dict):
+            raise invalid(f"tools.{i}.input_schema: field required (a JSON schema object, e.g. "
+                          "{\"type\": \"object\", \"properties\": {...}})", "tools")
+        fn = {"name": t.get("name"), "parameters": schema}
+        if t.get("description") is not None:
+            if not isinstance(t["description"], str):
+                raise invalid(f"tools.{i}.description: must be a string", "tools")
+            fn["description"] = t["description"]
+        out.append({"type": "function", "function": fn})
+    try:
+        validate_tools(out)
+    except ValueError as e:
+        text = re.sub(r"tools\[(\d+)\]", r"tools.\1", str(e))
+        raise invalid(text.replace(".function.parameters", ".input_schema")
+                      .replace(".function.name", ".name"), "tools")
+    return out or None
+
+
+def _tool_choice(choice: Any, tools: list[dict] | None) -> tuple[ToolChoice, bool]:
+    if choice is None:
+        return validate_tool_choice(None, tools), True
+    if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
+        raise invalid("tool_choice: must be {\"type\": \"auto\"}, {\"type\": \"any\"}, "
+                      "{\"type\": \"tool\", \"name\": ...} or {\"type\": \"none\"}", "tool_choice")
+    parallel = not choice.get("disable_parallel_tool_use", False)
+    kind = choice["type"]
+    openai = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
+    if kind == "tool":
+        openai = {"type": "function", "function": {"name": choice.get("name")}}
+    if kind in ("any", "tool") and not tools:
+        raise invalid(f"tool_choice: type {kind!r} needs at least one tool in 'tools'",
+                      "tool_choice")
+    if not tools:
+        return ToolChoice("none"), parallel
+    try:
+        return validate_tool_choice(openai, tools), parallel
+    except ValueError as e:
+        raise invalid(f"tool_choice: {e}", "tool_choice")
+
+
+def _thinking(thinking: Any, req: MessagesRequest, max_tokens: int | None) -> None:
+    if thinking is None:
+        return
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind == "disabled":
+        req.chat_template_kwargs["enable_thinking"] = False
+        return
+    if kind not in ("enabled", "adaptive"):
+        raise invalid("thinking: must be {\"type\": \"enabled\", \"budget_tokens\": N} or "
+                      "{\"type\": \"disabled\"}", "thinking")
+    req.chat_template_kwargs["enable_thinking"] = True
+    budget = thinking.get("budget_tokens")
+    if budget is None:
+        if kind == "enabled":
+            raise invalid("thinking.budget_tokens: field required", "thinking")
+        return
+    if not _is_int(budget) or budget < 1:
+        raise invalid("thinking.budget_tokens: must be an integer >= 1", "thinking")
+    if max_tokens is not None and budget >= max_tokens:
+        raise invalid(f"thinking.budget_tokens ({budget}) must be less than max_tokens "
+                      f"({max_tokens})", "thinking")
+    req.thinking_budget = budget
+
+
+def _text_of(blocks: Any, where: str) -> str:
+    """A string, or text blocks joined (the text-only content of system / tool_result)."""
+    if isinstance(blocks, str):
+        return blocks
+    if not isinstance(blocks, list):
+        raise invalid(f"{where}: must be a string or an array of content blocks", where)
+    texts = []
+    for j, b in enumerate(blocks):
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind != "text" or not isinstance(b.get("text"), str):
+            raise _unsupported(kind, f"{where}.{j}")
+        texts.append(b["text"])
+    return "\n".join(texts)
+
+
+def _unsupported(kind: Any, where: str) -> APIError:
+    if kind in ("image", "document", "search_result"):
+        return invalid(f"{where}: content blocks of type {kind!r} are not supported: this model "
+                       "reads text only; send the content as text blocks", where)
+    return invalid(f"{where}: unsupported content block type {kind!r} here", where)
+
+
+def _system(system: Any) -> list[dict]:
+    if system is None:
+        return []
+    text = _text_of(system, "system")
+    return [{"role": "system", "content": text}] if text else []
+
+
+def convert_messages(messages: Any) -> list[dict]:
+    """Anthropic messages -> OpenAI-style chat messages (see the module docstring)."""
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages: field required (a non-empty array of messages)", "messages")
+    out: list[dict] = []
+    tool_ids: set[str] = set()
+    answered: set[str] = set()
+    for i, m in enumerate(messages):
+        where = f"messages.{i}"
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise invalid(f"{where}.role: must be 'user' or 'assistant'", where)
+        content = m.get("content")
+        if isinstance(content, str):
+            out.append({"role": m["role"], "content": content})
+            continue
+        if not isinstance(content, list):
+            raise invalid(f"{where}.content: must be a string or an array of content blocks",
+                          where)
+        if m["role"] == "assistant":
+            out.append(_assistant(content, where, tool_ids))
+        else:
+            out.extend(_user(content, where, tool_ids, answered))
+    return out
+
+
+def _assistant(blocks: list, where: str, tool_ids: set[str]) -> dict:
+    texts, thoughts, calls = [], [], []
+    for j, b in enumerate(blocks):
+        at = f"{where}.content.{j}"
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind == "text" and isinstance(b.get("text"), str):
+            texts.append(b["text"])
+        elif kind == "thinking" and isinstance(b.get("thinking"), str):
+            thoughts.append(b["thinking"])
+        elif kind == "redacted_thinking":
+            continue
+        elif kind == "tool_use":
+            if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str):
+                raise invalid(f"{at}: a tool_use block needs 'id' and 'name' strings", at)
+            try:
+                args = validate_replayed_tool_call(b.get("input", {}))
+            except ValueError:
+                raise invalid(f"{at}.input: must be a JSON object (the tool's arguments), got "
+                              f"{_type_name(b.get('input'))}", at)
+            tool_ids.add(b["id"])
+            calls.append({"id": b["id"], "type": "function",
+                          "function": {"name": b["name"], "arguments": args}})
+        else:
+            raise _unsupported(kind, at)
+    msg: dict = {"role": "assistant", "content": "".join(texts)}
+    if thoughts:
+        msg["reasoning_content"] = "\n".join(thoughts)
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
+
+
+def _user(blocks: list, where: str, tool_ids: set[str], answered: set[str]) -> list[dict]:
+    out, texts = [], []
+    for j, b in enumerate(blocks):
+        at = f"{where}.content.{j}"
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind == "text" and isinstance(b.get("text"), str):
+            texts.append(b["text"])
+        elif kind == "tool_result":
+            tid = b.get("tool_use_id")
+            if tid not in tool_ids:
+                raise invalid(f"{at}: tool_result for tool_use_id {tid!r}, which no earlier "
+                              "assistant tool_use block has; each tool_result must answer a "
+                              "tool_use of the previous assistant turn", at)
+            if tid in answered:
+                raise invalid(f"{at}: tool_use_id {tid!r} already has a tool_result", at)
+            answered.add(tid)
+            content = b.get("content", "")
+            text = _text_of(content, f"{at}.content") if content is not None else ""
+            out.append({"role": "tool", "tool_call_id": tid, "content": text})
+        else:
+            raise _unsupported(kind, at)
+    if texts:
+        out.append({"role": "user", "content": "\n".join(texts)})
+    return out
+
+
+# ---- responses -------------------------------------------------------------------------------
+
+def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict:
+    """Anthropic counts cache reads apart: input_tokens is the uncached part of the prompt."""
+    return {"input_tokens": prompt_tokens - cached_tokens, "output_tokens": output_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached_tokens}
+
+
+def message(mid: str, model: str, content: list[dict], stop_reason: str | None,
+            stop_sequence: str | None, use: dict) -> dict:
+    return {"id": mid, "type": "message", "role": "assistant", "model": model,
+            "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
+            "usage": use}
+
+
+def sse(event: dict) -> bytes:
+    return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
