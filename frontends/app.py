@@ -9,10 +9,27 @@ and the chat template, so a frontend on another host needs no model files. Until
 model route answers 503 `model_not_loaded` (retriable), and /health too.
 
     create_app(FrontendSettings(engine={"submit": ..., ...})) -> ASGI callable
+
+Auth (`--require-auth`): every route but /health and /openapi.json needs a key, and /metrics too
+unless `--metrics-public`. A key is accepted as `Authorization: Bearer KEY` or as `x-api-key: KEY`
+on every route, OpenAI and Anthropic alike (the OpenAI SDK sends the first, the Anthropic SDK the
+second; Claude Code sends either); when both are sent, the Bearer one is the one checked. The
+key is compared, in constant time, with every loaded key (SHA-256 digests, so not even its
+length leaks); a refusal is a 401 that does not say which keys exist.
+
+Rate limits (METRALE_RATE_LIMIT_*) are kept by the engine, shared by every worker; the key is a
+digest of the API key when auth is on, else the client address (uvicorn trusts X-Forwarded-For
+from the addresses in gunicorn's forwarded_allow_ips, 127.0.0.1 by default: a local reverse
+proxy's clients get a bucket each). Responses carry x-ratelimit-{limit,remaining,reset}-
+{requests,tokens}; a 429 carries Retry-After.
+
+Input limits (header and body size, body and header deadlines, JSON depth, string and integer
+sizes, message count) are frontends.limits.
 """
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import logging
 import math
@@ -21,9 +38,9 @@ from dataclasses import dataclass, field
 
 import falcon
 import falcon.asgi
-import orjson
 import tokenizers
 
+from frontends import limits
 from metrale import levers
 from metrale.api import errors
 from metrale.api.errors import APIError
@@ -46,6 +63,17 @@ class FrontendSettings:
     max_body_bytes: int = 32 * 2**20
     body_timeout_s: float = 30.0
     control_timeout_s: float = 5.0
+    max_header_bytes: int = field(
+        default_factory=lambda: levers.get("METRALE_MAX_HEADER_BYTES"))
+    max_messages: int = field(default_factory=lambda: levers.get("METRALE_MAX_MESSAGES"))
+
+    def __post_init__(self):
+        if any(not t.strip() for t in self.auth_tokens):
+            raise ValueError("an API key is empty: every --auth-token and every line of "
+                             "--auth-tokens-file must hold a key")
+        if self.require_auth and not self.auth_tokens:
+            raise ValueError("--require-auth needs at least one key: pass --auth-token KEY or "
+                             "--auth-tokens-file PATH")
 
     @classmethod
     def from_dict(cls, d: dict) -> "FrontendSettings":
@@ -63,6 +91,7 @@ class Worker:
         self.tokenizer: Tokenizer | None = None
         self.template: ChatTemplate | None = None
         self._loader: asyncio.Task | None = None
+        self._key_digests = [_digest(t) for t in settings.auth_tokens]
 
     async def startup(self) -> None:
         self.client = AsyncEngineClient(self.settings.engine,
@@ -119,44 +148,97 @@ class Worker:
 
     # -- auth and rate limits -------------------------------------------------------------------
     def api_key(self, req) -> str | None:
-        auth = req.get_header("Authorization") or ""
-        if auth[:7].lower() == "bearer ":
-            return auth[7:].strip()
-        return req.get_header("x-api-key")
+        return _presented_key(req.get_header("Authorization"), req.get_header("x-api-key"))
+
+    def is_open(self, path: str) -> bool:
+        """Routes served without a key: /health, /openapi.json, and /metrics with
+        --metrics-public."""
+        path = path.rstrip("/") or "/"
+        return path in OPEN_PATHS or (path == "/metrics" and self.settings.metrics_public)
+
+    def gate(self, scope) -> None:
+        """The auth check at the ASGI layer (frontends.limits.InputLimits), before the body is
+        read: a client without a key cannot make a worker buffer a body."""
+        if not self.settings.require_auth or self.is_open(scope.get("path", "")):
+            return
+        headers = dict(scope["headers"])        # a repeated header: the last one counts
+        auth, x_key = headers.get(b"authorization"), headers.get(b"x-api-key")
+        self.check_key(_presented_key(auth and auth.decode("latin-1"),
+                                      x_key and x_key.decode("latin-1")))
 
     def check_auth(self, req) -> None:
-        if not self.settings.require_auth:
-            return
-        key = self.api_key(req)
+        if self.settings.require_auth:
+            self.check_key(self.api_key(req))
+
+    def check_key(self, key: str | None) -> None:
+        presented = _digest(key or "")
         ok = False
-        for token in self.settings.auth_tokens:   # every key, so timing says nothing
-            ok |= key is not None and hmac.compare_digest(key.encode(), token.encode())
-        if not ok:
+        for digest in self._key_digests:   # every key, no early exit: timing says nothing
+            ok |= hmac.compare_digest(presented, digest)
+        if not ok or not key:
             raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>' "
                            "or 'x-api-key: <key>'", code="invalid_api_key")
+
+    def rate_limit_key(self, req) -> str:
+        """Whose bucket a request is charged to: the API key (as a digest: the engine never
+        holds secrets) when auth is on, else the client address."""
+        if self.settings.require_auth:
+            return "key:" + _digest(self.api_key(req) or "").hex()[:32]
+        return f"addr:{req.remote_addr or ''}"
 
     async def rate_limit(self, req, resp, num_tokens: int) -> None:
         if not self.info.get("rate_limit_enabled"):
             return
-        key = (self.api_key(req) if self.settings.require_auth else None) or req.remote_addr
-        answer = await self.client.control("rate_limit", key=key or "", tokens=num_tokens)
+        answer = await self.client.control("rate_limit", key=self.rate_limit_key(req),
+                                           tokens=num_tokens)
         headers = {}
         for name in ("requests", "tokens"):
             if f"limit_{name}" in answer:
                 headers[f"x-ratelimit-limit-{name}"] = str(answer[f"limit_{name}"])
                 headers[f"x-ratelimit-remaining-{name}"] = str(answer[f"remaining_{name}"])
+                if f"reset_{name}" in answer:
+                    headers[f"x-ratelimit-reset-{name}"] = duration(answer[f"reset_{name}"])
         if not answer.get("allowed", True):
             wait = answer.get("retry_after", 1.0)
             headers["Retry-After"] = str(max(1, math.ceil(wait)) if math.isfinite(wait) else 60)
-            raise APIError(429, "rate limit exceeded for this key; retry after "
-                           f"{headers['Retry-After']}s", code="rate_limit_exceeded",
-                           headers=headers)
+            limit = answer.get("limit_tokens")
+            if limit is not None and num_tokens > limit:
+                message = (f"this request needs {num_tokens} tokens (prompt + max_tokens) but "
+                           f"the token budget of this key is {limit}; lower max_tokens")
+            else:
+                message = ("rate limit exceeded for this key; retry after "
+                           f"{headers['Retry-After']}s")
+            raise APIError(429, message, code="rate_limit_exceeded", headers=headers)
         resp.set_headers(headers)
+
+
+def _presented_key(authorization: str | None, x_api_key: str | None) -> str | None:
+    """`Authorization: Bearer KEY` if sent, else `x-api-key: KEY`."""
+    auth = authorization or ""
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    return x_api_key
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+def duration(seconds: float) -> str:
+    """OpenAI's spelling of x-ratelimit-reset-*: 20ms, 1.5s, 6m0s."""
+    if not math.isfinite(seconds) or seconds < 0:
+        seconds = 0.0
+    ms = math.ceil(seconds * 1000)
+    if ms < 1000:
+        return f"{ms}ms"
+    minutes, rest = divmod(ms / 1000, 60)
+    secs = f"{round(rest, 3):g}s"
+    return f"{int(minutes)}m{secs}" if minutes else secs
 
 
 # ---- middleware and error handlers ----------------------------------------------------------
 
-OPEN_PATHS = ("/health",)
+OPEN_PATHS = ("/health", "/openapi.json")
 
 
 class AuthMiddleware:
@@ -171,22 +253,20 @@ class AuthMiddleware:
 
     async def process_request(self, req, resp):
         resp.set_header("x-metrale-worker", str(os.getpid()))
-        path = req.path.rstrip("/") or "/"
-        if path in OPEN_PATHS or (path == "/metrics" and self.worker.settings.metrics_public):
-            return
-        self.worker.check_auth(req)
+        if not self.worker.is_open(req.path):
+            self.worker.check_auth(req)
 
 
-def _write_error(resp, e: APIError) -> None:
+def _write_error(req, resp, e: APIError) -> None:
     resp.status = e.status
     resp.content_type = falcon.MEDIA_JSON
-    resp.data = e.json()
+    resp.data = e.json_for(req.path)      # the Anthropic shape on /v1/messages*
     resp.set_headers(e.headers)
     resp.stream = None
 
 
 async def _on_api_error(req, resp, e: APIError, params, **kwargs):
-    _write_error(resp, e)
+    _write_error(req, resp, e)
 
 
 async def _on_http_error(req, resp, e: falcon.HTTPError, params, **kwargs):
@@ -198,32 +278,33 @@ async def _on_http_error(req, resp, e: falcon.HTTPError, params, **kwargs):
         message = f"method {req.method} is not allowed on {req.path} (allowed: {allowed})"
     else:
         message = e.description or e.title or str(status)
-    _write_error(resp, APIError(status, message, headers=dict(e.headers or {})))
+    _write_error(req, resp, APIError(status, message, headers=dict(e.headers or {})))
 
 
 async def _on_unexpected(req, resp, e: Exception, params, **kwargs):
     log.exception("internal error on %s %s", req.method, req.path)
-    _write_error(resp, APIError(500, f"internal error ({type(e).__name__}); see the server log"))
+    _write_error(req, resp, APIError(500, f"internal error ({type(e).__name__}); see the "
+                                          "server log"))
 
 
 # ---- body reading ---------------------------------------------------------------------------
 
 async def read_json(req, settings: FrontendSettings):
-    """The request body as JSON: 413 above METRALE_MAX_BODY_BYTES (from Content-Length before
-    reading, and while reading chunked bodies), 408 when it takes too long, 400 when invalid."""
+    """The request body as JSON, checked by frontends.limits.parse_json (400 naming what is
+    wrong). Size (413) and deadline (408) were enforced by limits.InputLimits, which has read
+    the body already; they are checked again here for an app run without it."""
     limit = settings.max_body_bytes
     if req.content_length is not None and req.content_length > limit:
-        raise _too_large(limit)
+        raise limits.too_large(limit)
     try:
         raw = await asyncio.wait_for(_read_limited(req.stream, limit), settings.body_timeout_s)
     except asyncio.TimeoutError:
-        raise APIError(408, f"the request body did not arrive within {settings.body_timeout_s:g}s")
-    if not raw:
+        raise APIError(408, "the request body did not arrive within "
+                       f"{settings.body_timeout_s:g}s (METRALE_BODY_TIMEOUT_S)",
+                       code="request_timeout") from None
+    if not raw.strip():
         raise errors.invalid("the request body is empty; send a JSON object")
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        raise errors.invalid(f"the request body is not valid JSON ({e})")
+    return limits.parse_json(raw, settings.max_messages)
 
 
 async def _read_limited(stream, limit: int) -> bytes:
@@ -231,14 +312,9 @@ async def _read_limited(stream, limit: int) -> bytes:
     async for chunk in stream:
         size += len(chunk)
         if size > limit:
-            raise _too_large(limit)
+            raise limits.too_large(limit)
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-def _too_large(limit: int) -> APIError:
-    return APIError(413, f"the request body is larger than {limit} bytes "
-                    "(METRALE_MAX_BODY_BYTES)", code="request_too_large")
 
 
 # ---- disconnect detection -------------------------------------------------------------------
@@ -288,6 +364,7 @@ class DisconnectWatch:
 # ---- the app --------------------------------------------------------------------------------
 
 def create_app(settings: FrontendSettings):
+    from frontends.openapi import OpenAPI
     from frontends.routes import add_routes
 
     worker = Worker(settings)
@@ -297,7 +374,10 @@ def create_app(settings: FrontendSettings):
     app.add_error_handler(falcon.HTTPError, _on_http_error)
     app.add_error_handler(APIError, _on_api_error)
     add_routes(app, worker)
-    return DisconnectWatch(app)
+    app.add_route("/openapi.json", OpenAPI(worker))
+    return limits.InputLimits(DisconnectWatch(app), settings.max_body_bytes,
+                              settings.max_header_bytes, settings.body_timeout_s,
+                              gate=worker.gate)
 
 
 def default_settings(engine: dict, **kw) -> FrontendSettings:

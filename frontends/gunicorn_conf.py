@@ -17,10 +17,11 @@ GRACEFUL_TIMEOUT_S = 5
 
 class MetraleWorker(UvicornWorker):
     """uvicorn on asyncio + h11 (pure Python, nothing to compile); lifespan on, because the
-    app opens its engine client there."""
+    app opens its engine client there. The h11 protocol is frontends.limits' guarded one: a
+    deadline on request heads (slowloris) and protocol errors in our JSON error shape."""
     CONFIG_KWARGS = {
         "loop": "asyncio",
-        "http": "h11",
+        "http": "frontends.limits:GuardedH11Protocol",
         "lifespan": "on",
         "h11_max_incomplete_event_size": levers.get("METRALE_MAX_HEADER_BYTES"),
         "timeout_graceful_shutdown": GRACEFUL_TIMEOUT_S - 2,
@@ -38,7 +39,8 @@ def options(bind: str, workers: int, log_level: str = "info") -> dict:
         "loglevel": log_level,
         "accesslog": None,
         "errorlog": "-",
-        "limit_request_field_size": levers.get("METRALE_MAX_HEADER_BYTES"),
+        # gunicorn's own HTTP parser is not used by uvicorn workers: no limit_request_* here;
+        # header limits are frontends.limits (h11's max_incomplete_event_size and InputLimits)
         "proc_name": "metrale-frontend",
     }
 

@@ -263,7 +263,8 @@ class EngineServer:
         if msg.op == "stats":
             self.metrics.set_gauges(self.core)
             return wire.ControlReply(True, {"prometheus": self.metrics.render(),
-                                            "running": len(self.live)})
+                                            "running": len(self.live),
+                                            "rate_limit_keys": self.ratelimit.num_keys})
         if msg.op == "rate_limit":
             return wire.ControlReply(True, self.ratelimit.check(msg.args.get("key", ""),
                                                                 int(msg.args.get("tokens", 0))))

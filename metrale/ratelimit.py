@@ -64,7 +64,13 @@ class RateLimiter:
     def from_levers(cls) -> "RateLimiter":
         return cls(levers.get("METRALE_RATE_LIMIT_RPM"), levers.get("METRALE_RATE_LIMIT_TPM"),
                    levers.get("METRALE_RATE_LIMIT_BURST_RPM"),
-                   levers.get("METRALE_RATE_LIMIT_BURST_TPM"))
+                   levers.get("METRALE_RATE_LIMIT_BURST_TPM"),
+                   levers.get("METRALE_RATE_LIMIT_MAX_KEYS"))
+
+    @property
+    def num_keys(self) -> int:
+        """Keys tracked now (at most max_keys per bucket table)."""
+        return max((len(b.buckets) for b in (self.requests, self.tokens) if b), default=0)
 
     @property
     def enabled(self) -> bool:
@@ -80,6 +86,7 @@ class RateLimiter:
             ok, remaining, wait = buckets.take(key, amount)
             result[f"limit_{name}"] = int(buckets.capacity)
             result[f"remaining_{name}"] = int(remaining)
+            result[f"reset_{name}"] = (buckets.capacity - remaining) / buckets.rate
             if not ok:
                 result["allowed"] = False
                 result["retry_after"] = max(result["retry_after"], wait)

@@ -51,6 +51,27 @@ def test_bad_values_are_refused_with_the_flag_named():
     assert out.returncode == 2 and "--max-batch-size" in out.stderr
     out = met("serve", "/nonexistent", "--require-auth")
     assert out.returncode == 2 and "--auth-token" in out.stderr
+    out = met("serve", "/nonexistent", "--require-auth", "--auth-token", " ")
+    assert out.returncode == 2 and "empty" in out.stderr
+
+
+def test_auth_needs_real_keys(tmp_path):
+    """No "accept any key" mode: --require-auth with no key, an empty key, or a keys file of
+    nothing but comments is refused before anything starts."""
+    comments = tmp_path / "keys"
+    comments.write_text("# no keys yet\n\n   \n")
+    for args in (["--require-auth"], ["--require-auth", "--auth-tokens-file", str(comments)],
+                 ["--require-auth", "--auth-token", ""],
+                 ["--require-auth", "--auth-token", "k", "--auth-token", ""]):
+        out = met("serve", "/nonexistent", *args)
+        assert out.returncode == 2, (args, out.stderr)
+        assert "key" in out.stderr
+    out = met("serve", "/nonexistent", "--require-auth", "--auth-tokens-file",
+              str(tmp_path / "missing"))
+    assert out.returncode == 2 and "cannot read" in out.stderr
+
+
+def test_more_bad_values():
     out = met("serve", "--model-from-path", "/nonexistent")
     assert out.returncode == 2 and "/nonexistent" in out.stderr
     out = met("frontend", "--engine", "ipc://nope")
@@ -102,6 +123,7 @@ def test_auth_and_rate_limits(tmp_path):
         answers = [complete("k1") for _ in range(4)]
         assert [a.status_code for a in answers] == [200, 200, 200, 429]
         assert answers[0].headers["x-ratelimit-limit-requests"] == "3"
+        assert answers[0].headers["x-ratelimit-reset-requests"].endswith("s")
         assert int(answers[3].headers["Retry-After"]) >= 1
         assert answers[3].json()["error"]["type"] == "rate_limit_error"
         assert complete("k2").status_code == 200      # another key has its own bucket

@@ -1,10 +1,14 @@
-"""API errors in the OpenAI shape, and the statuses they map to.
+"""API errors, and the statuses they map to, in the shape of the API that was called.
 
-    {"error": {"message": "...", "type": "invalid_request_error", "param": "n", "code": null}}
+    OpenAI routes:      {"error": {"message": "...", "type": "invalid_request_error",
+                                   "param": "n", "code": null}}
+    Anthropic routes:   {"type": "error", "error": {"type": "invalid_request_error",
+                                                    "message": "..."}}
 
 Handlers raise `APIError` (or one of the constructors below); the frontend turns it into a
-response with `APIError.status` and `APIError.headers`. Messages say what was wrong and what to
-do about it.
+response with `APIError.status` and `APIError.headers`, rendered by `APIError.json_for(path)`:
+the Anthropic shape on `/v1/messages*`, the OpenAI shape everywhere else. Messages say what was
+wrong and what to do about it.
 """
 from __future__ import annotations
 
@@ -26,6 +30,31 @@ _TYPES = {
     503: "service_unavailable",
 }
 
+# HTTP status -> Anthropic error type (docs.anthropic.com "Errors"; the same table as
+# metrale.api.anthropic_schema's, which also answers 503 as 529 overloaded_error)
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    431: "invalid_request_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+def is_anthropic_path(path: str) -> bool:
+    """Whether errors on this route take the Anthropic shape (/v1/messages and below)."""
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None,
@@ -44,8 +73,17 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
+    def anthropic_body(self) -> dict:
+        kind = _ANTHROPIC_TYPES.get(self.status, "invalid_request_error" if self.status < 500
+                                    else "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
     def json(self) -> bytes:
         return orjson.dumps(self.body())
+
+    def json_for(self, path: str) -> bytes:
+        """The body in the shape of the API that `path` belongs to."""
+        return orjson.dumps(self.anthropic_body() if is_anthropic_path(path) else self.body())
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
