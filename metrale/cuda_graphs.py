@@ -13,11 +13,18 @@ hands out, so they never touch a live sequence's cache.
 All graphs allocate from one private cupy memory pool that nothing else uses; graphs replay one
 at a time, so intermediates of different graphs may share memory, and outputs stay alive as
 long as their graph does.
+
+The host side (`DecodeInputs`: the per-bucket input buffers and how a step is packed into them)
+needs no GPU. A scheduled decode step is packed straight from its ScheduledSeqs into the pinned
+buffer (`pack_decode`, Cython): no ForwardBatch is built, the identity fields (query_start_loc,
+logits_indices) are written once, and of the block tables only the entries that changed since
+the bucket's last step are written (a sequence keeps its row while the batch keeps its order).
 """
 from __future__ import annotations
 
 import numpy as np
 
+from metrale._hot.pack import PADDING, pack_decode
 from metrale.forward import ForwardBatch
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
@@ -38,20 +45,113 @@ def _layout(bucket: int, width: int) -> list[tuple[str, tuple[int, ...]]]:
             ("state_slots", (bucket,)), ("logits_indices", (bucket,))]
 
 
-class _Graph:
-    def __init__(self, bucket: int, width: int, cp):
-        self.bucket = bucket
+class GraphInputs:
+    """One bucket's input buffer on the host: int32, laid out as the ForwardBatch fields
+    (`_layout`), with a numpy view per field. On CUDA the buffer is pinned memory and the
+    source of the step's one host->device copy."""
+
+    def __init__(self, bucket: int, width: int, host: np.ndarray):
+        self.bucket, self.width = bucket, width
         self.layout = _layout(bucket, width)
         self.size = sum(int(np.prod(s)) for _, s in self.layout)
-        self.device = cp.zeros(self.size, dtype=np.int32)
-        self.host = cp.cuda.alloc_pinned_memory(self.size * 4)
-        self.host_view = np.frombuffer(self.host, np.int32, self.size)
+        if host.dtype != np.int32 or host.shape != (self.size,):
+            raise ValueError(f"bucket {bucket}: host buffer must be int32 [{self.size}], "
+                             f"got {host.dtype} {host.shape}")
+        self.host_view = host
+        self.views: dict[str, np.ndarray] = {}
+        off = 0
+        for name, shape in self.layout:
+            n = int(np.prod(shape))
+            self.views[name] = host[off: off + n].reshape(shape)
+            off += n
+        host[:] = 0
+        self.views["query_start_loc"][:] = np.arange(bucket + 1, dtype=np.int32)
+        self.views["logits_indices"][:] = np.arange(bucket, dtype=np.int32)
+        # what each block-table row holds (see metrale._hot.pack.pack_decode): unknown at first
+        self.row_tables: list = [None] * bucket
+        self.row_lens = np.full(bucket, width, dtype=np.int32)
+
+    def pack(self, batch: ForwardBatch, spare_block: int, spare_slot: int) -> None:
+        """Write host batch `batch` (a decode step) padded to the bucket."""
+        n, v = batch.num_seqs, self.views
+        bs = batch.block_size
+        tables = v["block_tables"]
+        tables[:] = 0
+        tables[:n, : batch.block_tables.shape[1]] = batch.block_tables
+        tables[n:, 0] = spare_block
+        for name, pad in (("input_ids", 0), ("positions", 0), ("seq_lens", 1),
+                          ("slot_mapping", spare_block * bs), ("state_slots", spare_slot)):
+            v[name][:n] = getattr(batch, name)
+            v[name][n:] = pad
+        self.row_tables[:n] = [None] * n
+        self.row_tables[n:] = [PADDING] * (self.bucket - n)
+        self.row_lens[:n] = batch.block_tables.shape[1]
+        self.row_lens[n:] = 1
+
+    def pack_decode(self, seqs, block_size: int, spare_block: int, spare_slot: int) -> int:
+        """Write the decode step `seqs` (ScheduledSeqs, one new token each) padded to the
+        bucket; -1 (nothing written) when it is not such a step or a table is too wide."""
+        v = self.views
+        return pack_decode(seqs, v["input_ids"], v["positions"], v["seq_lens"],
+                           v["block_tables"], v["slot_mapping"], v["state_slots"], block_size,
+                           spare_block, spare_slot, self.row_tables, self.row_lens)
+
+
+class DecodeInputs:
+    """The host side of the decode graphs: one GraphInputs per bucket. `alloc(n)` returns an
+    int32 [n] host buffer (pinned memory on CUDA; plain numpy by default)."""
+
+    def __init__(self, max_batch: int, width: int, block_size: int, spare_block: int,
+                 spare_slot: int, alloc=None):
+        alloc = alloc or (lambda n: np.zeros(n, dtype=np.int32))
+        self.width, self.block_size = width, block_size
+        self.spare_block, self.spare_slot = spare_block, spare_slot
+        self.buckets: dict[int, GraphInputs] = {}
+        for b in buckets_for(max_batch):
+            size = sum(int(np.prod(s)) for _, s in _layout(b, width))
+            self.buckets[b] = GraphInputs(b, width, alloc(size))
+        self.max_batch = max(self.buckets)
+        self._bucket_of = [min(b for b in self.buckets if b >= n)
+                           for n in range(self.max_batch + 1)]
+
+    def bucket(self, num_seqs: int) -> GraphInputs:
+        """The smallest bucket that holds `num_seqs` rows."""
+        return self.buckets[self._bucket_of[num_seqs]]
+
+    def supports(self, batch: ForwardBatch) -> bool:
+        return (batch.is_decode and batch.num_seqs <= self.max_batch
+                and batch.block_tables.shape[1] <= self.width)
+
+    def pack(self, batch: ForwardBatch) -> GraphInputs:
+        g = self.bucket(batch.num_seqs)
+        g.pack(batch, self.spare_block, self.spare_slot)
+        return g
+
+    def pack_decode(self, seqs) -> GraphInputs | None:
+        """Pack ScheduledSeqs straight into their bucket; None when `seqs` is not a decode step
+        the graphs hold (more rows than the largest bucket, a chunk longer than one token, a
+        block table wider than the graphs')."""
+        if not seqs or len(seqs) > self.max_batch:
+            return None
+        g = self.bucket(len(seqs))
+        if g.pack_decode(seqs, self.block_size, self.spare_block, self.spare_slot) < 0:
+            return None
+        return g
+
+
+class _Graph:
+    def __init__(self, inputs: GraphInputs, host, cp):
+        self.inputs = inputs
+        self.bucket = inputs.bucket
+        self.host = host                     # the pinned allocation behind inputs.host_view
+        self.host_view = inputs.host_view
+        self.device = cp.zeros(inputs.size, dtype=np.int32)
         self.graph = None
         self.logits = None
 
     def batch(self, block_size: int) -> ForwardBatch:
         views, off = {}, 0
-        for name, shape in self.layout:
+        for name, shape in self.inputs.layout:
             n = int(np.prod(shape))
             views[name] = self.device[off: off + n].reshape(shape)
             off += n
@@ -68,15 +168,25 @@ class DecodeGraphs:
         self.block_size = caches.block_size
         self.stream = self.cp.cuda.get_current_stream()   # the engine's non-default stream
         self.pool = self.cp.cuda.MemoryPool()
-        self.graphs = {b: _Graph(b, self.width, self.cp) for b in buckets_for(max_batch)}
+        pinned: dict[int, object] = {}
+
+        def alloc(n: int) -> np.ndarray:
+            mem = self.cp.cuda.alloc_pinned_memory(n * 4)
+            view = np.frombuffer(mem, np.int32, n)
+            pinned[id(view)] = mem
+            return view
+
+        self.inputs = DecodeInputs(max_batch, self.width, self.block_size, spare_block,
+                                   spare_slot, alloc)
+        self.graphs = {b: _Graph(g, pinned[id(g.host_view)], self.cp)
+                       for b, g in self.inputs.buckets.items()}
 
     @property
     def max_batch(self) -> int:
-        return max(self.graphs)
+        return self.inputs.max_batch
 
     def supports(self, batch: ForwardBatch) -> bool:
-        return (batch.is_decode and batch.num_seqs <= self.max_batch
-                and batch.block_tables.shape[1] <= self.width)
+        return self.inputs.supports(batch)
 
     # -- capture ----------------------------------------------------------------------------
     def capture(self) -> None:
@@ -105,9 +215,19 @@ class DecodeGraphs:
     def run(self, batch: ForwardBatch):
         """Replay the smallest bucket that holds `batch` (a host batch); returns the device
         logits of its real rows, valid until the next run on this stream."""
-        n = batch.num_seqs
-        g = self.graphs[min(b for b in self.graphs if b >= n)]
-        self._pack(g, batch)
+        g = self.inputs.pack(batch)
+        return self._replay(self.graphs[g.bucket], batch.num_seqs)
+
+    def run_decode(self, seqs):
+        """Replay a decode step given as ScheduledSeqs (packed straight into the pinned buffer,
+        no ForwardBatch); None, with nothing run, when `seqs` is not a decode step the graphs
+        hold. Returns the device logits of its real rows, valid until the next run."""
+        g = self.inputs.pack_decode(seqs)
+        if g is None:
+            return None
+        return self._replay(self.graphs[g.bucket], len(seqs))
+
+    def _replay(self, g: _Graph, n: int):
         with self.stream:
             g.device.set(g.host_view, stream=self.stream)
             g.graph.launch(stream=self.stream)
@@ -115,23 +235,4 @@ class DecodeGraphs:
 
     def _pack(self, g: _Graph, batch: ForwardBatch) -> None:
         """Write `batch` padded to g.bucket rows into g's pinned host buffer."""
-        n, b, bs = batch.num_seqs, g.bucket, self.block_size
-        out, off = g.host_view, 0
-        for name, shape in g.layout:
-            size = int(np.prod(shape))
-            dst = out[off: off + size].reshape(shape)
-            off += size
-            src = getattr(batch, name)
-            if name == "block_tables":
-                dst[:] = 0
-                dst[:n, : src.shape[1]] = src
-                dst[n:, 0] = self.spare_block
-            elif name == "query_start_loc":
-                dst[:] = np.arange(b + 1, dtype=np.int32)
-            elif name == "logits_indices":
-                dst[:] = np.arange(b, dtype=np.int32)
-            else:
-                dst[:n] = src
-                dst[n:] = {"input_ids": 0, "positions": 0, "seq_lens": 1,
-                           "slot_mapping": self.spare_block * bs,
-                           "state_slots": self.spare_slot}[name]
+        g.inputs.pack(batch, self.spare_block, self.spare_slot)

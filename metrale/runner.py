@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from metrale._hot.pack import pack_indices
+from metrale._hot.pack import pack_batch, sample_inputs
 from metrale.forward import ForwardBatch
 from metrale.sampling import Sampler, make_generator
 
 
-@dataclass
+@dataclass(slots=True)
 class SampledToken:
     token_id: int
     logprob: float | None = None
@@ -55,19 +55,8 @@ class ModelRunner:
     # -- the step ---------------------------------------------------------------------------
     def build_batch(self, out) -> ForwardBatch:
         """Flatten the scheduled sequences into a ForwardBatch (packing runs in metrale._hot)."""
-        seqs = out.seqs
-        context = np.fromiter((s.request.num_computed_tokens for s in seqs), np.int32, len(seqs))
-        qlens = np.fromiter((s.num_new_tokens for s in seqs), np.int32, len(seqs))
-        width = max(len(s.block_table) for s in seqs)
-        tables = np.zeros((len(seqs), width), dtype=np.int32)
-        for i, s in enumerate(seqs):
-            tables[i, : len(s.block_table)] = s.block_table
-        positions, slots, qsl, seq_lens = pack_indices(context, qlens, tables, self.block_size)
-        ids = np.empty(int(qsl[-1]), dtype=np.int32)
-        for i, s in enumerate(seqs):
-            start = int(context[i])
-            ids[qsl[i]: qsl[i + 1]] = s.request.all_token_ids[start: start + int(qlens[i])]
-        sample_rows = [i for i, s in enumerate(seqs) if s.sample]
+        ids, positions, qsl, seq_lens, tables, slots, state_slots, logits_indices = pack_batch(
+            out.seqs, self.block_size)
         return ForwardBatch(
             input_ids=ids,
             positions=positions,
@@ -75,8 +64,8 @@ class ModelRunner:
             seq_lens=seq_lens,
             block_tables=tables,
             slot_mapping=slots,
-            state_slots=np.fromiter((s.state_slot for s in seqs), np.int32, len(seqs)),
-            logits_indices=(qsl[1:][sample_rows] - 1).astype(np.int32),
+            state_slots=state_slots,
+            logits_indices=logits_indices,
             block_size=self.block_size,
         )
 
@@ -86,19 +75,21 @@ class ModelRunner:
             self.swap.execute(out, self.caches)
         for src, dst in out.state_copies:
             self.caches.copy_state(src, dst)
-        if not out.seqs:
+        seqs = out.seqs
+        if not seqs:
             return {}
-        batch = self.build_batch(out)
-        if self.graphs is not None and self.graphs.supports(batch):
-            logits = self.graphs.run(batch)           # one row per sequence
-            rows = [i for i, s in enumerate(out.seqs) if s.sample]
-            if len(rows) != len(out.seqs):
-                logits = logits[np.asarray(rows)]
+        # a decode step replays its captured graph, packed straight from the ScheduledSeqs
+        logits = self.graphs.run_decode(seqs) if self.graphs is not None else None
+        if logits is not None:
+            sampling = [s for s in seqs if s.sample]
+            if len(sampling) != len(seqs):
+                logits = logits[np.asarray([i for i, s in enumerate(seqs) if s.sample])]
         else:
+            batch = self.build_batch(out)
             logits = self.model.forward(self.ops.upload_batch(batch), self.caches)
+            sampling = [s for s in seqs if s.sample]
         for src, dst in out.state_saves:
             self.caches.copy_state(src, dst)
-        sampling = [s for s in out.seqs if s.sample]
         if not sampling:
             return {}
         if self.gpu_sampler is not None:
@@ -108,18 +99,17 @@ class ModelRunner:
     def _sample_gpu(self, logits, seqs) -> dict[str, SampledToken]:
         """Sample on the device (one device->host copy of the chosen ids); penalty counts live
         in the sampler's row of the sequence's slot."""
-        for s in seqs:
+        params, steps, slots, fresh = sample_inputs(seqs, self._sampler_slot)
+        for i in fresh:
+            s = seqs[i]
             r = s.request
             if self._sampler_slot.get(r.request_id) != s.state_slot:
                 self.gpu_sampler.begin(s.state_slot, r.prompt_token_ids)
                 self._sampler_slot[r.request_id] = s.state_slot
-        params = [s.request.sampling_params for s in seqs]
         want_lp = any(p.logprobs is not None for p in params)
-        res = self.gpu_sampler.sample(
-            logits, params, [len(s.request.output_token_ids) for s in seqs],
-            slots=[s.state_slot for s in seqs], logprobs=want_lp)
+        res = self.gpu_sampler.sample(logits, params, steps, slots=slots, logprobs=want_lp)
         if not want_lp:
-            return {s.request.request_id: SampledToken(int(t)) for s, t in zip(seqs, res)}
+            return {s.request.request_id: SampledToken(t) for s, t in zip(seqs, res.tolist())}
         sampled = {}
         for i, s in enumerate(seqs):
             k = s.request.sampling_params.logprobs

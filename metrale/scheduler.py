@@ -48,6 +48,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from metrale._hot.pack import steady_decode_seqs
 from metrale.cache.block_pool import BlockPool, IntegrityError
 from metrale.cache.prefix_cache import PrefixCache, PrefixMatch
 from metrale.cache.swap import SwapSpace
@@ -205,6 +206,11 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_compactions = 0
         self.compact_at = self._compaction_trigger(config)
+        # hot-path state: no deadline is due before this time (a lower bound: finished requests
+        # may still count); every running request sampled in the last update_from_output
+        self._earliest_deadline = math.inf
+        self._all_decoding = False
+        self._decode_seqs: list[ScheduledSeq] = []   # the last steady step's (reused if equal)
 
     @staticmethod
     def num_state_slots_needed(config: EngineConfig, hybrid: bool) -> int:
@@ -256,6 +262,8 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self._requests[req.request_id] = req
         self.waiting.append(req)
+        if req.deadline is not None and req.deadline < self._earliest_deadline:
+            self._earliest_deadline = req.deadline
 
     def _validate(self, req: Request) -> None:
         n, limit = req.num_tokens, self.config.max_seq_len
@@ -290,6 +298,9 @@ class Scheduler:
         now = self.now()
         self._expire(now, out)
         self._scheduled.clear()
+        all_decoding, self._all_decoding = self._all_decoding, False
+        if all_decoding and not self.waiting and not out.finished and self._schedule_decodes(out):
+            return out
         num_decodes = min(sum(1 for r in self.running if r.num_uncomputed_tokens == 1),
                           self.config.max_batch_size)
         budget = _StepBudget(self.policy.token_budget(num_decodes), self.config.max_batch_size)
@@ -300,11 +311,48 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         return out
 
+    def _schedule_decodes(self, out: SchedulerOutput) -> bool:
+        """The steady decode step, when every running request is known to be decoding (each
+        sampled in the last step) and nothing waits: all of them, oldest first, one token each,
+        a block added where one crosses a block boundary. Gives exactly what the general path
+        gives then; False (nothing done) when that could preempt or the token budget is short.
+        A request's ScheduledSeq of the last steady step is reused when it is unchanged."""
+        running = self.running
+        n = len(running)
+        if n > self.config.max_batch_size or self.policy.token_budget(n) < n:
+            return False
+        seqs, crossing = steady_decode_seqs(running, self._decode_seqs, self.block_size,
+                                            ScheduledSeq)
+        if len(crossing) > self.block_pool.num_free_blocks:
+            return False
+        for r in crossing:
+            r.block_ids.extend(self.block_pool.allocate(1))
+        self._decode_seqs = seqs
+        out.seqs = list(seqs)
+        cache = self.prefix_cache
+        if cache is not None and cache.checkpointing:
+            interval = self.config.ssm_checkpoint_interval
+            for seq in out.seqs:
+                r = seq.request
+                if (r.num_computed_tokens + 1) % interval == 0:
+                    slot = cache.reserve_snapshot(r, r.num_computed_tokens + 1)
+                    if slot is not None:
+                        out.state_saves.append((r.state_slot, slot))
+        return True
+
     def _expire(self, now: float, out: SchedulerOutput) -> None:
+        if now < self._earliest_deadline:
+            return
+        earliest = math.inf
         for req in [*self.running, *self.waiting]:
-            if req.deadline is not None and now >= req.deadline:
+            if req.deadline is None:
+                continue
+            if now >= req.deadline:
                 self._finish(req, "timeout")
                 out.finished.append(req)
+            elif req.deadline < earliest:
+                earliest = req.deadline
+        self._earliest_deadline = earliest
 
     def _schedule_running(self, out: SchedulerOutput, budget: _StepBudget, decodes: bool) -> None:
         for req in list(self.running):
@@ -506,37 +554,49 @@ class Scheduler:
         """Advance every scheduled request, append its sampled token, and finish it on a stop
         condition. Returns the requests finished in this step."""
         finished = []
+        cache = self.prefix_cache
+        checkpointing = cache is not None and cache.checkpointing
+        num_decoding = 0            # requests that sampled and keep running: now decoding
         for seq in out.seqs:
             req = seq.request
             if req.status is not RequestStatus.RUNNING:     # aborted after schedule()
                 continue
             start = req.num_computed_tokens
-            req.num_computed_tokens += seq.num_new_tokens
-            if self.prefix_cache:
-                self.prefix_cache.cache_blocks(req, start, req.num_computed_tokens)
-                if self.prefix_cache.checkpointing:
-                    self.prefix_cache.commit_snapshot(req)
+            req.num_computed_tokens = start + seq.num_new_tokens
+            if cache is not None:
+                cache.cache_blocks(req, start, req.num_computed_tokens)
+                if checkpointing:
+                    cache.commit_snapshot(req)
             if seq.sample:
-                if req.request_id not in sampled:
-                    raise ValueError(f"no sampled token for {req.request_id!r}, which sampled")
-                req.output_token_ids.append(sampled[req.request_id])
+                try:
+                    token = sampled[req.request_id]
+                except KeyError:
+                    raise ValueError(f"no sampled token for {req.request_id!r}, which sampled") \
+                        from None
+                req.output_token_ids.append(token)
                 reason = self._stop_reason(req)
                 if reason is not None:
                     self._finish(req, reason)
                     finished.append(req)
                 elif self.compact_at and req.num_tokens >= self.compact_at:
                     self._compact(req)
-        if self.prefix_cache and self.prefix_cache.checkpointing:
-            self.prefix_cache.release_pending()
+                else:
+                    num_decoding += 1
+        if checkpointing:
+            cache.release_pending()
+        # every running request sampled and still runs: the next schedule() may take the
+        # steady decode path (the running set can only shrink until then: aborts)
+        self._all_decoding = num_decoding == len(self.running) > 0
         return finished
 
     def _stop_reason(self, req: Request) -> str | None:
-        params, token = req.sampling_params, req.output_token_ids[-1]
-        if req.num_output_tokens >= params.min_tokens and (
+        params, output = req.sampling_params, req.output_token_ids
+        token, num_output = output[-1], len(output)
+        if num_output >= params.min_tokens and (
                 token in params.stop_token_ids
                 or (not params.ignore_eos and token in req.eos_token_ids)):
             return "stop"
-        if req.num_output_tokens >= params.max_tokens or (
+        if num_output >= params.max_tokens or (
                 not self.compact_at and req.num_tokens >= self.config.max_seq_len):
             return "length"
         return None

@@ -1,10 +1,34 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """Per-step packing on the hot path: flatten the scheduled sequences into the index arrays of a
-ForwardBatch (positions, slot mapping, cu_seqlens) without per-token Python work."""
+ForwardBatch (positions, slot mapping, cu_seqlens, token ids) without per-token Python work.
+
+    pack_indices(context, qlens, tables, block_size)   index arrays from host arrays
+    pack_batch(seqs, block_size)                       a whole ForwardBatch's arrays from
+                                                       ScheduledSeqs (the general path)
+    pack_decode(seqs, ..., block_size, ...)            a decode step straight into a captured
+                                                       graph's pinned input buffer, rewriting
+                                                       only the block-table entries that changed
+    sample_inputs(seqs, began)                         the GPU sampler's per-row inputs
+    gather_param_rows(params, slots, steps, owners, rows, out, start)
+                                                       cached sampler parameter rows -> out
+
+Token ids are read straight from a request's prompt/output lists: position p of the model's
+context (`Request.all_token_ids[p]`) without building that list.
+"""
 import numpy as np
 cimport numpy as cnp
 
 cnp.import_array()
+
+
+cdef inline object _token_at(object prompt, object output, Py_ssize_t num_prompt,
+                             Py_ssize_t sink, Py_ssize_t dropped, Py_ssize_t pos):
+    """all_token_ids[pos] of a request: prompt + output with [sink, sink + dropped) removed."""
+    if dropped and pos >= sink:
+        pos += dropped
+    if pos < num_prompt:
+        return prompt[pos]
+    return output[pos - num_prompt]
 
 
 def pack_indices(const int[:] context_lens, const int[:] query_lens, const int[:, :] block_tables,
@@ -36,3 +60,205 @@ def pack_indices(const int[:] context_lens, const int[:] query_lens, const int[:
         qsl_v[i + 1] = <int>t
         sl_v[i] = context_lens[i] + query_lens[i]
     return positions, slots, qsl, seq_lens
+
+
+def pack_batch(list seqs, int block_size):
+    """ScheduledSeqs -> (input_ids, positions, query_start_loc, seq_lens, block_tables,
+    slot_mapping, state_slots, logits_indices), int32, laid out as metrale.forward.ForwardBatch
+    documents (block tables padded with 0 to the longest table)."""
+    cdef Py_ssize_t B = len(seqs)
+    cdef Py_ssize_t i, j, t, T = 0, width = 0, n_sample = 0, L
+    ctx_a = np.empty(B, dtype=np.int32)
+    q_a = np.empty(B, dtype=np.int32)
+    cdef int[:] ctx = ctx_a
+    cdef int[:] q = q_a
+    for i in range(B):
+        s = seqs[i]
+        ctx[i] = s.request.num_computed_tokens
+        q[i] = s.num_new_tokens
+        T += q[i]
+        L = len(s.block_table)
+        if L > width:
+            width = L
+        if s.sample:
+            n_sample += 1
+    ids_a = np.empty(T, dtype=np.int32)
+    pos_a = np.empty(T, dtype=np.int32)
+    slot_a = np.empty(T, dtype=np.int32)
+    qsl_a = np.empty(B + 1, dtype=np.int32)
+    sl_a = np.empty(B, dtype=np.int32)
+    tab_a = np.zeros((B, width), dtype=np.int32)
+    st_a = np.empty(B, dtype=np.int32)
+    li_a = np.empty(n_sample, dtype=np.int32)
+    cdef int[:] ids = ids_a
+    cdef int[:] pos = pos_a
+    cdef int[:] slot = slot_a
+    cdef int[:] qsl = qsl_a
+    cdef int[:] sl = sl_a
+    cdef int[:, :] tab = tab_a
+    cdef int[:] st = st_a
+    cdef int[:] li = li_a
+    cdef Py_ssize_t num_prompt, sink, dropped, k = 0
+    cdef int p
+    t = 0
+    qsl[0] = 0
+    for i in range(B):
+        s = seqs[i]
+        req = s.request
+        table = s.block_table
+        L = len(table)
+        for j in range(L):
+            tab[i, j] = table[j]
+        prompt = req.prompt_token_ids
+        output = req.output_token_ids
+        num_prompt = len(prompt)
+        dropped = req.num_dropped_tokens
+        sink = req.num_sink_tokens if dropped else 0
+        for j in range(q[i]):
+            p = ctx[i] + <int>j
+            ids[t] = _token_at(prompt, output, num_prompt, sink, dropped, p)
+            pos[t] = p
+            slot[t] = tab[i, p // block_size] * block_size + p % block_size
+            t += 1
+        qsl[i + 1] = <int>t
+        sl[i] = ctx[i] + q[i]
+        st[i] = s.state_slot
+        if s.sample:
+            li[k] = <int>t - 1
+            k += 1
+    return ids_a, pos_a, qsl_a, sl_a, tab_a, slot_a, st_a, li_a
+
+
+PADDING = ("padding row",)
+"""Marks a graph buffer row that holds the padding block table (spare block, then zeros)."""
+
+
+def pack_decode(list seqs, int[:] ids, int[:] positions, int[:] seq_lens, int[:, :] tables,
+                int[:] slots, int[:] state_slots, int block_size, int spare_block,
+                int spare_slot, list row_tables, int[:] row_lens):
+    """Write a decode step (every sequence adds one token) padded to the bucket (the buffers'
+    first dimension) into a captured graph's input buffers. Padding rows get position 0,
+    context 1, the spare KV block and the spare state row.
+
+    Block tables are written incrementally: `row_tables[r]` is the list (a request's live
+    `block_ids`, which only ever grows) whose first `row_lens[r]` entries row r holds, or
+    PADDING, or None when unknown; entries past `row_lens[r]` are 0. Returns the number of real
+    rows, or -1 when the step is not a decode that fits (then nothing was written).
+
+    query_start_loc and logits_indices are the identity for a decode step: the caller fills
+    them once."""
+    cdef Py_ssize_t n = len(seqs), bucket = ids.shape[0], width = tables.shape[1]
+    cdef Py_ssize_t i, j, L, old, num_prompt, sink, dropped
+    cdef int p
+    if n > bucket:
+        return -1
+    for i in range(n):
+        s = seqs[i]
+        if s.num_new_tokens != 1 or len(s.block_table) > width:
+            return -1
+    for i in range(n):
+        s = seqs[i]
+        req = s.request
+        table = s.block_table
+        p = req.num_computed_tokens
+        prompt = req.prompt_token_ids
+        num_prompt = len(prompt)
+        dropped = req.num_dropped_tokens
+        sink = req.num_sink_tokens if dropped else 0
+        ids[i] = _token_at(prompt, req.output_token_ids, num_prompt, sink, dropped, p)
+        positions[i] = p
+        seq_lens[i] = p + 1
+        state_slots[i] = s.state_slot
+        L = len(table)
+        old = row_lens[i]
+        if row_tables[i] is table and L >= old:
+            for j in range(old, L):
+                tables[i, j] = table[j]
+        else:
+            for j in range(L):
+                tables[i, j] = table[j]
+            for j in range(L, old):
+                tables[i, j] = 0
+            row_tables[i] = table
+        row_lens[i] = <int>L
+        slots[i] = tables[i, p // block_size] * block_size + p % block_size
+    for i in range(n, bucket):
+        ids[i] = 0
+        positions[i] = 0
+        seq_lens[i] = 1
+        slots[i] = spare_block * block_size
+        state_slots[i] = spare_slot
+        if row_tables[i] is not PADDING:
+            for j in range(1, row_lens[i]):
+                tables[i, j] = 0
+            tables[i, 0] = spare_block
+            row_tables[i] = PADDING
+            row_lens[i] = 1
+    return n
+
+
+def sample_inputs(list seqs, dict began):
+    """The GPU sampler's inputs for the sampling sequences `seqs`: (params list, steps int64
+    [B] (output tokens so far), slots int64 [B] (state slots), rows whose request has not
+    begun in its slot: began[request_id] != state_slot)."""
+    cdef Py_ssize_t B = len(seqs), i
+    steps_a = np.empty(B, dtype=np.int64)
+    slots_a = np.empty(B, dtype=np.int64)
+    cdef long long[:] steps = steps_a
+    cdef long long[:] slots = slots_a
+    params = [None] * B
+    fresh = []
+    for i in range(B):
+        s = seqs[i]
+        req = s.request
+        slot = s.state_slot
+        params[i] = req.sampling_params
+        steps[i] = len(req.output_token_ids)
+        slots[i] = slot
+        if began.get(req.request_id) != slot:
+            fresh.append(i)
+    return params, steps_a, slots_a, fresh
+
+
+def gather_param_rows(list params, const long long[:] slots, const long long[:] steps,
+                      list owners, const int[:, :] rows, int[:, :] out, Py_ssize_t start):
+    """Copy the cached parameter row of each sampling row i >= start into out[i] while
+    `owners[slots[i]] is params[i]` (the row was packed from this very SamplingParams in this
+    slot). Returns the first row that is not cached; when every row is done, writes the step
+    column (11: steps[i] mod 2^32) of all rows and returns len(params)."""
+    cdef Py_ssize_t B = len(params), i, j, ncol = rows.shape[1], num_slots = rows.shape[0]
+    cdef long long slot
+    for i in range(start, B):
+        slot = slots[i]
+        if slot < 0 or slot >= num_slots or owners[slot] is not params[i]:
+            return i
+        for j in range(ncol):
+            out[i, j] = rows[slot, j]
+    for i in range(B):
+        out[i, 11] = <int>(<unsigned int>(steps[i] & 0xFFFFFFFF))
+    return B
+
+
+def steady_decode_seqs(list running, list previous, int block_size, object make_seq):
+    """The ScheduledSeqs of a steady decode step (every running request adds one token and
+    samples): (seqs, crossing), crossing the requests that need one more KV block first.
+    A ScheduledSeq of `previous` (the last such step) is reused when it says the same thing
+    (same request, same live block list, same state row); others are made with
+    make_seq(request, 1, block_ids, state_slot, True)."""
+    cdef Py_ssize_t n = len(running), i, num_prev = len(previous)
+    seqs = [None] * n
+    crossing = []
+    for i in range(n):
+        req = running[i]
+        blocks = req.block_ids
+        slot = req.state_slot
+        if req.num_computed_tokens >= len(blocks) * block_size:
+            crossing.append(req)
+        if i < num_prev:
+            seq = previous[i]
+            if (seq.request is req and seq.block_table is blocks and seq.state_slot == slot
+                    and seq.num_new_tokens == 1 and seq.sample is True):
+                seqs[i] = seq
+                continue
+        seqs[i] = make_seq(req, 1, blocks, slot, True)
+    return seqs, crossing

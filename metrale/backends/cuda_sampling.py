@@ -32,12 +32,10 @@ from dataclasses import dataclass
 import cupy as cp
 import numpy as np
 
+from metrale._hot.sampler_rows import MAX_LOGPROBS, NPRM, SamplerParamRows
 from metrale.sampling import SamplingParams
 
 from .cuda_gdn import _kernel, _sfx
-
-NPRM = 16
-MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -64,15 +62,21 @@ class GpuSampler:
                        if penalties else None)
         self._rng = np.random.default_rng(seed if seed is not None
                                           else int.from_bytes(os.urandom(8), "little"))
-        self._slot_seed = np.zeros(self.num_slots, dtype=np.uint64)
-        self._slot_seeded = np.zeros(self.num_slots, dtype=bool)
+        # per-row parameters: packed on the host into a pinned staging buffer (cached per
+        # slot, see SamplerParamRows), one async host->device copy per step
+        self._stage_mem = cp.cuda.alloc_pinned_memory(self.max_batch * NPRM * 4)
+        stage = np.frombuffer(self._stage_mem, np.int32, self.max_batch * NPRM).reshape(
+            self.max_batch, NPRM)
+        self.rows = SamplerParamRows(self.vocab_size, self.num_slots, self.max_batch, self._rng,
+                                     out=stage)
+        self._slot_seed = self.rows.slot_seed
+        self._slot_seeded = self.rows.slot_seeded
 
     # -- per-sequence state ---------------------------------------------------------------------
     def begin(self, slot: int, prompt_ids=()) -> None:
         """Sequence starts in `slot`: clear its counts, mark its prompt tokens (repetition
         penalty), draw its default seed."""
-        self._slot_seed[slot] = self._rng.integers(0, 2**63, dtype=np.uint64)
-        self._slot_seeded[slot] = True
+        self.rows.begin(slot)
         if self.counts is None:
             return
         self.counts[slot] = 0
@@ -84,35 +88,8 @@ class GpuSampler:
 
     # -- one step -------------------------------------------------------------------------------
     def _pack(self, params, steps, slots) -> np.ndarray:
-        B = len(params)
-        prm = np.zeros((B, NPRM), dtype=np.int32)
-        f = prm.view(np.float32)
-        for i, p in enumerate(params):
-            slot = int(slots[i])
-            if p.seed is not None:
-                seed = int(p.seed) & (2**64 - 1)
-            else:
-                if 0 <= slot < self.num_slots and not self._slot_seeded[slot]:
-                    self._slot_seed[slot] = self._rng.integers(0, 2**63, dtype=np.uint64)
-                    self._slot_seeded[slot] = True
-                seed = int(self._slot_seed[slot]) if 0 <= slot < self.num_slots else \
-                    int(self._rng.integers(0, 2**63))
-            f[i, 0] = p.temperature
-            f[i, 1] = p.top_p
-            f[i, 2] = p.min_p
-            f[i, 3] = p.presence_penalty
-            f[i, 4] = p.frequency_penalty
-            f[i, 5] = p.repetition_penalty
-            f[i, 6] = p.top_n_sigma
-            prm[i, 8] = p.top_k if 0 < p.top_k < self.vocab_size else 0
-            prm[i, 9] = np.uint32(seed & 0xFFFFFFFF).view(np.int32)
-            prm[i, 10] = np.uint32(seed >> 32).view(np.int32)
-            prm[i, 11] = np.uint32(int(steps[i]) & 0xFFFFFFFF).view(np.int32)
-            prm[i, 12] = slot if 0 <= slot < self.num_slots else -1
-            prm[i, 13] = int(p.presence_penalty != 0 or p.frequency_penalty != 0
-                             or p.repetition_penalty != 1)
-            prm[i, 14] = -1 if p.logprobs is None else min(int(p.logprobs), MAX_LOGPROBS)
-        return prm
+        """int32 [B, NPRM] rows in the pinned staging buffer (valid until the next step)."""
+        return self.rows.pack(params, steps, slots)
 
     def sample(self, logits, params: list[SamplingParams], steps, slots=None,
                logprobs: bool = False):
@@ -129,7 +106,9 @@ class GpuSampler:
             logits = cp.ascontiguousarray(logits)
         ld = np.int64(logits.strides[0] // logits.dtype.itemsize)
         prm = self.prm[:B]
-        prm.set(self._pack(params, steps, slots))
+        # pinned source: asynchronous on the current stream, ordered before the kernels; the
+        # staging buffer is rewritten only after this step's result came back (.get() below)
+        prm.set(self._pack(params, steps, slots), stream=cp.cuda.get_current_stream())
         nullptr = np.uint64(0)  # a NULL pointer argument
         counts = self.counts if self.counts is not None else nullptr
         prompt = self.prompt if self.prompt is not None else nullptr
