@@ -126,8 +126,12 @@ class AsyncEngineClient:
         engine must give the client a 503, never a hang)."""
         while True:
             try:
-                return await asyncio.wait_for(q.get(), LIVENESS_CHECK_S)
-            except asyncio.TimeoutError:
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a
+                # cancellation that lands as q.get() completes, and a cancelled (client gone)
+                # request then ran on to max_tokens instead of being aborted
+                async with asyncio.timeout(LIVENESS_CHECK_S):
+                    return await q.get()
+            except TimeoutError:
                 await self.control("health")
 
     async def abort(self, request_id: str, reason: str = "abort") -> None:
