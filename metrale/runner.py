@@ -14,6 +14,7 @@ import numpy as np
 from metrale._hot.pack import pack_batch, sample_inputs
 from metrale.forward import ForwardBatch
 from metrale.sampling import Sampler, make_generator
+from metrale.thinking import force_thinking_close
 
 
 @dataclass(slots=True)
@@ -92,9 +93,13 @@ class ModelRunner:
             self.caches.copy_state(src, dst)
         if not sampling:
             return {}
+        requests = [s.request for s in sampling]
         if self.gpu_sampler is not None:
-            return self._sample_gpu(logits, sampling)
-        return self._sample(self.ops.to_numpy(logits), [s.request for s in sampling])
+            sampled = self._sample_gpu(logits, sampling)
+        else:
+            sampled = self._sample(self.ops.to_numpy(logits), requests)
+        force_thinking_close(sampled, requests)     # --max-thinking-budget: close </think>
+        return sampled
 
     def _sample_gpu(self, logits, seqs) -> dict[str, SampledToken]:
         """Sample on the device (one device->host copy of the chosen ids); penalty counts live
