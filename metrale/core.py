@@ -9,6 +9,7 @@ neither touches the scheduler or the runner directly.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ log = logging.getLogger("metrale.core")
 _CPU_KV_BUDGET_MB = 1024  # default KV pool on the CPU backend when no size is given
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """What one step produced for one request (a delta, not the whole text)."""
     request_id: str
@@ -159,7 +160,7 @@ class EngineCore:
         if req is None:
             return None
         self.runner.release(request_id)
-        return self._output(req, [], [])
+        return self._output(req, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -178,29 +179,29 @@ class EngineCore:
         finished = self.scheduler.update_from_output(
             out, {rid: s.token_id for rid, s in sampled.items()})
         seconds = time.perf_counter() - t0
-        num_tokens = sum(s.num_new_tokens for s in out.seqs)
+        num_tokens = out.num_new_tokens
         self.last_step = StepStats(len(out.seqs), num_tokens, seconds)
-        if out.seqs and hasattr(self.scheduler, "observe_step_time"):
+        if out.seqs:
             self.scheduler.observe_step_time(num_tokens, seconds)
         outputs = {}
         for s in out.seqs:
             tok = sampled.get(s.request.request_id)
             if tok is not None:
-                outputs[s.request.request_id] = self._output(s.request, [tok.token_id], [tok])
-        for req in list(finished) + list(out.finished):
+                outputs[s.request.request_id] = self._output(s.request, tok)
+        for req in itertools.chain(finished, out.finished):
             self.runner.release(req.request_id)
             if req.request_id not in outputs:
-                outputs[req.request_id] = self._output(req, [], [])
+                outputs[req.request_id] = self._output(req, None)
         return list(outputs.values())
 
     @staticmethod
-    def _output(req: Request, ids, lps) -> RequestOutput:
+    def _output(req: Request, tok: SampledToken | None) -> RequestOutput:
         return RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=list(ids),
-            new_logprobs=list(lps),
-            finish_reason=req.finish_reason if req.is_finished else None,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_output_tokens=len(req.output_token_ids),
-            num_cached_tokens=req.num_cached_tokens,
+            req.request_id,
+            [] if tok is None else [tok.token_id],
+            [tok] if tok is not None and tok.logprob is not None else [],
+            req.finish_reason if req.is_finished else None,
+            req.num_prompt_tokens,
+            len(req.output_token_ids),
+            req.num_cached_tokens,
         )
