@@ -43,11 +43,6 @@ from metrale.api.openai_schema import GenerationParams, MAX_STOP_STRINGS, _type_
 from metrale.api.tool_parsers import (ToolChoice, validate_replayed_tool_call,
                                       validate_tool_choice, validate_tools)
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
-                408: "timeout_error", 413: "request_too_large", 422: "invalid_request_error",
-                429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
-                529: "overloaded_error"}
 OVERLOADED = 529
 _ALPHABET = string.ascii_letters + string.digits
 _CUSTOM_TOOL_TYPES = (None, "custom")
@@ -71,9 +66,7 @@ def error_status(e: APIError) -> int:
 
 
 def error_body(e: APIError) -> dict:
-    status = error_status(e)
-    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": e.message}}
+    return e.anthropic_body()
 
 
 def error_json(e: APIError) -> bytes:

@@ -30,23 +30,10 @@ _TYPES = {
     503: "service_unavailable",
 }
 
-# HTTP status -> Anthropic error type (docs.anthropic.com "Errors"; the same table as
-# metrale.api.anthropic_schema's, which also answers 503 as 529 overloaded_error)
-_ANTHROPIC_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    408: "timeout_error",
-    413: "request_too_large",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-    431: "invalid_request_error",
-    500: "api_error",
-    503: "overloaded_error",
-    529: "overloaded_error",
-}
+# HTTP status -> Anthropic error type (docs.anthropic.com "Errors"); /v1/messages answers an
+# unavailable engine as 529 overloaded_error (metrale.api.anthropic_schema.error_status)
+_ANTHROPIC_TYPES = {**_TYPES, 413: "request_too_large", 500: "api_error",
+                    503: "overloaded_error", 529: "overloaded_error"}
 
 ANTHROPIC_PREFIX = "/v1/messages"
 
