@@ -21,10 +21,27 @@
 // max_tiles = P/64 + min(E, P) + 1 bounds the tiles of any routing, so every launch has a
 // static shape (CUDA graphs). Requires H % 8 == 0 and I % 8 == 0 (16-byte loads).
 // Bytes: decode is weight-streaming: (active experts) * 3*H*I*2; FLOPs 6*P*H*I.
-// The GEMMs are a simple 64x64x32 fp32-FMA tiling from shared memory (correctness first):
-// at prefill sizes they run far below the tensor-core roofline (~790 TFLOP/s), and at decode
-// (<= 8 rows per expert) the weight stream is what matters; mma.sync / wgmma tiles are the next
-// step.
+// The GEMMs above are a simple 64x64x32 fp32-FMA tiling from shared memory (CudaOps
+// moe_impl="simt", the default): correctness first, far below both rooflines.
+//
+// Tensor-core twins (CudaOps(moe_impl="mma"), bf16 only; same route/scatter/combine):
+//   moe_scan_tiles  moe_scan with the tile height as an argument (bm = 16 or 64);
+//                   max_tiles = P/bm + min(E, P) + 1.
+//   moe_mma_gate_up_m<MT>  act [P, I] = silu(x[tok] Wg^T) * (x[tok] Wu^T); grid (ceil(I/BN), max_tiles)
+//   moe_mma_down_m<MT>     y [P, H] = act down[e]^T;                       grid (ceil(H/BN), max_tiles)
+//   MT = 1: tiles of 16 rows (decode: a few rows per expert); MT = 4: 64 rows (prefill).
+// One CTA = one row tile x BN output columns (NTW n-tiles of 8 weight rows: gated, half gate and
+// half up), 4 warps splitting K: warp w takes the 64-wide k-blocks w, w+4, ... and streams them
+// through its own STAGES-deep cp.async pipeline (16-byte cp.async.cg, no block barrier in the
+// loop); the warps' fp32 partial sums are added through shared memory at the end. At decode
+// every active expert's weights are read exactly once, split over ceil(N/BN) CTAs per expert
+// (gate_up at I = 512: 32 CTAs of 128 KB each; down at H = 2048: 64 CTAs of 32 KB).
+// Fragments without ldmatrix: k is permuted inside each 32-wide chunk (the sum does not care),
+// so that lane (g = lane/4, tq = lane%4) needs exactly the 16 bytes k = 8tq..8tq+7 of W row g
+// (B fragment, both k-steps) and of A rows g and g+8 (A fragments): for k-step s the mma takes
+// u32 words 2s (logical k 2tq..+1) and 2s+1 (logical k 8+2tq..+1) of those 16 bytes. Every lane
+// copies exactly the 16-byte pieces it later reads, stored lane-contiguous (conflict-free), so
+// shared memory is only a lane-private staging area and the pipeline needs no __syncwarp.
 #include "common.cuh"
 
 namespace {
@@ -211,27 +228,224 @@ __device__ __forceinline__ void moe_combine(const T* __restrict__ y, const int* 
     }
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core expert GEMMs (see the header). bf16 in, fp32 accumulate (mma.sync m16n8k16).
+constexpr int MMA_KB = 64;   // k per pipeline stage of one warp (two 32-wide chunks)
+constexpr int MMA_NW = 4;    // warps per CTA (split K)
+
+// c += a * b, 16x8x16 bf16 -> fp32. Fragment layouts as in attention.cu's mma16816.
+__device__ __forceinline__ void moe_mma16816(float (&c)[4], unsigned a0, unsigned a1, unsigned a2,
+                                             unsigned a3, unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+                 "{%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// cp.async / wait with a memory clobber: the staged data is read back with plain shared loads,
+// which must not move across them.
+__device__ __forceinline__ void moe_cp16(void* smem, const void* gmem, bool valid) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
+                 "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void moe_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void moe_cp_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ unsigned moe_pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low 16 bits) = lo
+    return *reinterpret_cast<unsigned*>(&v);
+}
+
+// Row tile of MT*16 rows of one expert x NTW n-tiles of 8 weight rows (GATED: NTW/2 of gate rows
+// n0.., NTW/2 of up rows N + n0..), over all of K. Shared memory per warp and stage (uint4 units,
+// index = piece * 32 + lane): W pieces j*2 + c (n-tile j, 32-wide chunk c), then A pieces
+// WP + (mi*2 + h)*2 + c (m-tile mi, rows h*8 + g). After the loop it holds the warps' partial
+// accumulators, red[((w*MT + mi)*NTW + j)*4 + e][lane].
+template <bool GATED, int MT, int NTW, int STAGES>
+__device__ __forceinline__ void moe_mma_gemm(const __nv_bfloat16* __restrict__ A,
+                                             const int* __restrict__ sorted_pair, int topk,
+                                             const __nv_bfloat16* __restrict__ W, int N, int K,
+                                             const int* __restrict__ tile_expert,
+                                             const int* __restrict__ tile_row0,
+                                             const int* __restrict__ offsets,
+                                             __nv_bfloat16* __restrict__ out) {
+    constexpr int NB = GATED ? NTW / 2 : NTW;  // output n-tiles per CTA
+    constexpr int BN = NB * 8;
+    constexpr int WP = NTW * 2;                // W pieces per stage (16 B per lane each)
+    constexpr int AP = MT * 4;                 // A pieces per stage
+    constexpr int STAGE = (WP + AP) * 32;      // uint4 per warp and stage
+    static_assert(!GATED || NTW % 2 == 0, "gated tiles pair gate and up n-tiles");
+    static_assert(STAGES >= 2, "pipeline depth");
+    static_assert(MT * NTW * 4 * 32 <= STAGES * STAGE * 4, "reduction fits in the stages");
+    extern __shared__ uint4 moe_smem[];
+
+    const int e = tile_expert[blockIdx.y];
+    if (e < 0) return;
+    const int row0 = tile_row0[blockIdx.y], row_end = offsets[e + 1];
+    const int n0 = blockIdx.x * BN;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, tq = lane & 3;
+    uint4* wbuf = moe_smem + warp * STAGES * STAGE;
+
+    // this lane's weight rows (row g of each n-tile) and activation rows (g, g + 8 of each m-tile)
+    const long long wrows = GATED ? 2LL * N : (long long)N;
+    const __nv_bfloat16* We = W + (long long)e * wrows * K + tq * 8;
+    const __nv_bfloat16* wp[NTW];
+    bool wv[NTW];
+#pragma unroll
+    for (int j = 0; j < NTW; ++j) {
+        const int jj = GATED ? j % NB : j;
+        wv[j] = n0 + jj * 8 < N;  // N % 8 == 0: an n-tile is all in or all out
+        const long long r = (GATED && j >= NB ? N : 0) + (wv[j] ? n0 + jj * 8 + g : 0);
+        wp[j] = We + r * K;
+    }
+    const __nv_bfloat16* ap[MT][2];
+    bool av[MT][2];
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = row0 + mi * 16 + h * 8 + g;
+            av[mi][h] = r < row_end;
+            const long long src = av[mi][h] ? (sorted_pair ? sorted_pair[r] / topk : r) : 0;
+            ap[mi][h] = A + src * K + tq * 8;
+        }
+
+    const int nkb = (K + MMA_KB - 1) / MMA_KB;
+    const int nmine = nkb > warp ? (nkb - warp + MMA_NW - 1) / MMA_NW : 0;
+    // stage k-block i of this warp (block warp + NW*i); always commits a group
+    auto issue = [&](int i) {
+        if (i < nmine) {
+            const int k0 = (warp + MMA_NW * i) * MMA_KB;
+            uint4* st = wbuf + (i % STAGES) * STAGE + lane;
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int kc = k0 + c * 32;
+                const bool kv = kc + tq * 8 < K;  // K % 8 == 0: a 16-byte piece is all in or out
+#pragma unroll
+                for (int j = 0; j < NTW; ++j) {
+                    const bool ok = wv[j] && kv;
+                    moe_cp16(st + (j * 2 + c) * 32, ok ? wp[j] + kc : W, ok);
+                }
+#pragma unroll
+                for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const bool ok = av[mi][h] && kv;
+                        moe_cp16(st + (WP + (mi * 2 + h) * 2 + c) * 32, ok ? ap[mi][h] + kc : A, ok);
+                    }
+            }
+        }
+        moe_cp_commit();
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) issue(s);
+
+    float acc[MT][NTW][4];
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+        for (int j = 0; j < NTW; ++j) acc[mi][j][0] = acc[mi][j][1] = acc[mi][j][2] = acc[mi][j][3] = 0.f;
+
+    for (int i = 0; i < nmine; ++i) {
+        moe_cp_wait<STAGES - 2>();  // block i landed (this lane's own copies)
+        issue(i + STAGES - 1);      // into the stage this lane finished reading last iteration
+        const uint4* st = wbuf + (i % STAGES) * STAGE + lane;
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            uint4 a[MT][2], b[NTW];
+#pragma unroll
+            for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) a[mi][h] = st[(WP + (mi * 2 + h) * 2 + c) * 32];
+#pragma unroll
+            for (int j = 0; j < NTW; ++j) b[j] = st[(j * 2 + c) * 32];
+#pragma unroll
+            for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+                for (int j = 0; j < NTW; ++j) {
+                    moe_mma16816(acc[mi][j], a[mi][0].x, a[mi][1].x, a[mi][0].y, a[mi][1].y, b[j].x, b[j].y);
+                    moe_mma16816(acc[mi][j], a[mi][0].z, a[mi][1].z, a[mi][0].w, a[mi][1].w, b[j].z, b[j].w);
+                }
+        }
+    }
+    moe_cp_wait<0>();
+
+    // add the warps' partial sums (fixed order: deterministic), epilogue, store
+    __syncthreads();  // every warp is done with its stages
+    float* red = reinterpret_cast<float*>(moe_smem);
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+        for (int j = 0; j < NTW; ++j)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) red[(((warp * MT + mi) * NTW + j) * 4 + q) * 32 + lane] = acc[mi][j][q];
+    __syncthreads();
+    for (int it = tid; it < MT * NB * 32; it += MMA_NW * 32) {
+        const int l = it & 31, mj = it >> 5, mi = mj / NB, jj = mj % NB;
+        if (n0 + jj * 8 >= N) continue;
+        float v[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            float s = 0.f, u = 0.f;
+#pragma unroll
+            for (int w = 0; w < MMA_NW; ++w) {
+                s += red[(((w * MT + mi) * NTW + jj) * 4 + q) * 32 + l];
+                if (GATED) u += red[(((w * MT + mi) * NTW + jj + NB) * 4 + q) * 32 + l];
+            }
+            v[q] = GATED ? mt::silu(s) * u : s;
+        }
+        const int r = row0 + mi * 16 + (l >> 2);
+        const int n = n0 + jj * 8 + 2 * (l & 3);
+        if (r < row_end)
+            *reinterpret_cast<unsigned*>(out + (long long)r * N + n) = moe_pack_bf16(v[0], v[1]);
+        if (r + 8 < row_end)
+            *reinterpret_cast<unsigned*>(out + (long long)(r + 8) * N + n) = moe_pack_bf16(v[2], v[3]);
+    }
+}
+
+// Tilings (must match MOE_MMA in metrale/backends/cuda_gdn.py): <MT, NTW, STAGES>
+#define MOE_MMA_GU_M1 1, 4, 4   // BN 16 (16 gate + 16 up rows), 96 KB of stages
+#define MOE_MMA_DN_M1 1, 4, 3   // BN 32, 72 KB
+#define MOE_MMA_GU_M4 4, 4, 2   // 64-row tiles (prefill), BN 16, 96 KB
+#define MOE_MMA_DN_M4 4, 4, 2   // BN 32, 96 KB
+
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(1024) moe_scan(const int* counts, int E, int max_tiles,
-                                                            int* offsets, int* tile_expert,
-                                                            int* tile_row0) {
+__device__ __forceinline__ void moe_scan_impl(const int* counts, int E, int max_tiles, int bm,
+                                              int* offsets, int* tile_expert, int* tile_row0) {
     __shared__ int scratch[32];
     const int e = threadIdx.x;
     const int c = e < E ? counts[e] : 0;
     int total_rows, total_tiles;
     const int off = block_excl_scan(c, scratch, &total_rows);
-    const int nt = (c + BM - 1) / BM;
+    const int nt = (c + bm - 1) / bm;
     const int toff = block_excl_scan(nt, scratch, &total_tiles);
     if (e < E) offsets[e] = off;
     if (e == 0) offsets[E] = total_rows;
     for (int j = 0; j < nt; ++j) {
         if (toff + j < max_tiles) {
             tile_expert[toff + j] = e;
-            tile_row0[toff + j] = off + j * BM;
+            tile_row0[toff + j] = off + j * bm;
         }
     }
     for (int j = total_tiles + e; j < max_tiles; j += blockDim.x) tile_expert[j] = -1;
+}
+
+extern "C" __global__ void __launch_bounds__(1024) moe_scan(const int* counts, int E, int max_tiles,
+                                                            int* offsets, int* tile_expert,
+                                                            int* tile_row0) {
+    moe_scan_impl(counts, E, max_tiles, BM, offsets, tile_expert, tile_row0);
+}
+
+// moe_scan with tiles of `bm` rows (the tensor-core GEMMs: 16 or 64).
+extern "C" __global__ void __launch_bounds__(1024) moe_scan_tiles(const int* counts, int E,
+                                                                  int max_tiles, int bm,
+                                                                  int* offsets, int* tile_expert,
+                                                                  int* tile_row0) {
+    moe_scan_impl(counts, E, max_tiles, bm, offsets, tile_expert, tile_row0);
 }
 
 extern "C" __global__ void moe_scatter(const int* ids, int P, const int* offsets, int* fill,
@@ -266,3 +480,17 @@ extern "C" __global__ void moe_scatter(const int* ids, int P, const int* offsets
     }
 MOE_INST(__nv_bfloat16, bf16)
 MOE_INST(float, f32)
+
+// Tensor-core GEMMs (bf16 only; CudaOps(moe_impl="mma")), 128 threads, dynamic shared memory.
+#define MOE_MMA_INST(NAME, GATED, CFG)                                                            \
+    extern "C" __global__ void __launch_bounds__(MMA_NW * 32) NAME(                               \
+        const __nv_bfloat16* a, const int* sorted_pair, int topk, const __nv_bfloat16* w, int N,   \
+        int K, const int* tile_expert, const int* tile_row0, const int* offsets,                  \
+        __nv_bfloat16* out) {                                                                     \
+        moe_mma_gemm<GATED, CFG>(a, sorted_pair, topk, w, N, K, tile_expert, tile_row0, offsets,  \
+                                 out);                                                            \
+    }
+MOE_MMA_INST(moe_mma_gate_up_m1, true, MOE_MMA_GU_M1)
+MOE_MMA_INST(moe_mma_down_m1, false, MOE_MMA_DN_M1)
+MOE_MMA_INST(moe_mma_gate_up_m4, true, MOE_MMA_GU_M4)
+MOE_MMA_INST(moe_mma_down_m4, false, MOE_MMA_DN_M4)

@@ -8,10 +8,14 @@ Measures the ceilings first (device-to-device copy bandwidth, bf16 GEMM rate at 
     9/3 x 64) at B = 1..128 x context 1k..8k, from a captured graph, as a fraction of the copy
     bandwidth, tensor-core ("mma") and CUDA-core ("simt") kernels side by side;
   * prefill attention FLOP rate (causal, one sequence up to 16k, and a 2k chunk after 6k of
-    context; 24/4 x 256, 32/8 x 128, 9/3 x 64), both kernels.
+    context; 24/4 x 256, 32/8 x 128, 9/3 x 64), both kernels;
+  * MoE layer (Qwen3.5-35B-A3B: 256 experts, top-8, H 2048, I 512) at T = 1, 8, 64 (and 512)
+    tokens, CudaOps(moe_impl="mma") and "simt", from a captured graph rotating over 16 token
+    sets (so the active experts change every call and are not L2-resident), as a fraction of the
+    copy bandwidth for the bytes of the active experts.
 Writes perf/results/ops_<date>_<commit>.json (and a copy under --out) and prints a table.
 
-    python perf/bench_ops.py [--out DIR] [--quick]
+    python perf/bench_ops.py [--out DIR] [--quick] [--moe-only]
 """
 from __future__ import annotations
 
@@ -196,10 +200,74 @@ def bench_prefill_attention(impls: dict, quick: bool) -> list[dict]:
     return rows
 
 
+MOE_IMPLS = ("mma", "simt")    # CudaOps(moe_impl=...): tensor-core expert GEMMs, CUDA-core tiles
+
+
+def bench_moe(copy_bw: float, quick: bool) -> list[dict]:
+    """One Qwen3.5-35B-A3B MoE layer (router GEMM, routing, expert GEMMs, combine; not the
+    shared expert) per call. bytes = the active experts' gate_up + down (each read once) + x and
+    out; the active experts are counted from the host routing of each token set (fp32 logits;
+    the device rounds them to bf16, which can move a near-tie, a negligible change in the count)."""
+    E, H, I, K = 256, 2048, 512, 8
+    nsets = 16
+    gate_up = rand_bf16((E, 2 * I, H), H ** -0.5)
+    down = rand_bf16((E, H, I), I ** -0.5)
+    router_w = rand_bf16((E, H), 1.5 * H ** -0.5)
+    rw_host = cupy.asnumpy(router_w.astype(cupy.float32))
+    expert_bytes = 3 * H * I * 2
+    impls = {name: CudaOps(moe_impl=name) for name in MOE_IMPLS}
+    rows = []
+    for T in ((1, 8, 64) if quick else (1, 8, 64, 512)):
+        xs = [rand_bf16((T, H)) for _ in range(nsets)]
+        active = []
+        for x in xs:
+            logits = cupy.asnumpy(x.astype(cupy.float32)) @ rw_host.T
+            active.append(len(np.unique(np.argsort(-logits, axis=1, kind="stable")[:, :K])))
+        n_active = float(np.mean(active))
+        nbytes = n_active * expert_bytes + 2 * T * H * 2 + E * H * 2
+        row = {"T": T, "E": E, "H": H, "I": I, "top_k": K, "active_experts": n_active,
+               "bytes": nbytes, "floor_s": nbytes / copy_bw}
+        outs = {}
+        for name, ops in impls.items():
+            state = {"i": 0}
+
+            def fn(ops=ops, state=state, xs=xs, w=(router_w, gate_up, down)):
+                x = xs[state["i"] % nsets]
+                state["i"] += 1
+                return ops.moe(x, *w, K, True)
+            try:
+                t = time_graph(fn, nsets, 5 if quick else 20)
+                mode = "graph"
+            except Exception as e:  # report, keep benchmarking
+                t, mode = time_gpu(fn, 2 * nsets), f"eager ({type(e).__name__})"
+            outs[name] = cupy.asnumpy(ops.moe(xs[0], router_w, gate_up, down, K, True).astype(cupy.float32))
+            row[name] = {"s": t, "mode": mode, "frac_copy_bw": nbytes / t / copy_bw}
+        if "mma" in outs and "simt" in outs:
+            a, b = outs["mma"].astype(np.float64), outs["simt"].astype(np.float64)
+            row["rel_mma_vs_simt"] = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+        rows.append(row)
+    return rows
+
+
+def moe_section(res: dict, copy_bw: float, quick: bool) -> None:
+    res["moe"] = rows = bench_moe(copy_bw, quick)
+    cupy.get_default_memory_pool().free_all_blocks()   # the 1.6 GB of expert weights
+    print(f"\n{'MoE 35B-A3B T':>13} {'experts':>7} {'MB':>6} {'floor us':>8} "
+          + " ".join(f"{n + ' us':>9} {'%bw':>5}" for n in MOE_IMPLS) + "  speedup  rel mma/simt")
+    for r in rows:
+        cols = " ".join(f"{r[n]['s'] * 1e6:>9.1f} {100 * r[n]['frac_copy_bw']:>4.0f}%" for n in MOE_IMPLS)
+        print(f"{r['T']:>13} {r['active_experts']:>7.1f} {r['bytes'] / 1e6:>6.1f} {r['floor_s'] * 1e6:>8.1f} "
+              f"{cols}  {r['simt']['s'] / r['mma']['s']:>6.2f}x  {r.get('rel_mma_vs_simt', float('nan')):.1e}")
+    modes = {r[n]["mode"] for r in rows for n in MOE_IMPLS}
+    if modes != {"graph"}:
+        print(f"MoE timing modes: {sorted(modes)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--moe-only", action="store_true", help="ceilings + the MoE section only")
     args = ap.parse_args()
     ops = CudaOps()
     props = cupy.cuda.runtime.getDeviceProperties(ops.device.id)
@@ -209,6 +277,10 @@ def main() -> None:
            "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(), "cublas": ops._blas().version, "dtype": "bfloat16"}
     res["ceilings"] = c = bench_ceilings(ops)
     print(f"copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s   bf16 GEMM 8192^3 {c['gemm_bf16_flop_per_s'] / 1e12:.0f} TFLOP/s")
+    if args.moe_only:
+        moe_section(res, c["copy_bytes_per_s"], args.quick)
+        write_results(res, args.out)
+        return
     res["gemm_decode"] = bench_gemms(ops, c["copy_bytes_per_s"], args.quick)
     print(f"\n{'GEMM in x out':>16} {'M':>4} {'eager us':>9} {'graph us':>9} {'eager %bw':>9} {'graph %bw':>9}")
     for r in res["gemm_decode"]:
@@ -227,8 +299,13 @@ def main() -> None:
     for r in res["attention_prefill"]:
         cols = " ".join(f"{r[n]['s'] * 1e3:>9.2f} {r[n]['flop_per_s'] / 1e12:>8.1f}" for n in impls)
         print(f"{str(r['heads']):>20} {r['L']:>6} {r['context']:>6} {cols}")
+    moe_section(res, c["copy_bytes_per_s"], args.quick)
+    write_results(res, args.out)
+
+
+def write_results(res: dict, out: str) -> None:
     name = f"ops_{_dt.date.today():%Y%m%d}_{res['commit']}.json"
-    paths = [ROOT / "perf" / "results" / name] + ([Path(args.out) / name] if args.out else [])
+    paths = [ROOT / "perf" / "results" / name] + ([Path(out) / name] if out else [])
     for p in paths:
         try:
             p.parent.mkdir(parents=True, exist_ok=True)

@@ -324,6 +324,157 @@ def test_moe_deterministic(cuda_ops):
     np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
 
 
+# -- MoE on tensor cores (CudaOps(moe_impl="mma")) vs the CUDA-core kernels vs the CPU spec -----
+# Router logits ~ N(0, 1.5^2) whatever H (router_w scaled by 1.5/sqrt(H)): the routing weights
+# come from bf16 logits on the GPU, whose rounding (|logit| * 2^-9) must stay well under 1e-2.
+
+def _bf(a):
+    """Host values rounded to bf16 (ops.asarray rounds on the host the same way)."""
+    import ml_dtypes
+    return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+class _HostExperts:
+    """Expert weights kept on the device; the CPU reference pulls one expert at a time (the
+    35B-A3B shapes are 1.6 GB of bf16 at E = 256, too much to hold in fp32 on the host)."""
+
+    def __init__(self, dev):
+        self.dev = dev
+
+    def __getitem__(self, e):
+        import cupy as cp
+        return cp.asnumpy(self.dev[int(e)]).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def moe_ops():
+    from metrale.backends.cuda import BF16, CudaOps
+    return {"simt": CudaOps(dtype=BF16, moe_impl="simt"), "mma": CudaOps(dtype=BF16, moe_impl="mma")}
+
+
+def _moe_variant(monkeypatch, variant):
+    """Force the mma tiling: "m1" (16-row tiles), "m4" (64-row tiles) or "auto"."""
+    from metrale.backends import cuda_gdn
+    if variant == "m1":
+        monkeypatch.setattr(cuda_gdn, "MOE_MMA_M4_MIN_ROWS", 1 << 30)
+    elif variant == "m4":
+        monkeypatch.setattr(cuda_gdn, "MOE_MMA_M4_MIN_ROWS", 0)
+
+
+def _spy_kernels(monkeypatch, ops):
+    names = []
+    real = ops.kernel
+
+    def spy(module, fn, smem=0):
+        names.append(fn)
+        return real(module, fn, smem)
+    monkeypatch.setattr(ops, "kernel", spy)
+    return names
+
+
+def _check_moe_mma(moe_ops, cpu, x, router_w, gate_up, down, top_k, renorm, ref_gu, ref_dn,
+                   monkeypatch, expect_kernel=None):
+    """mma vs CPU reference (tokens with a clear top-k) and vs simt (all tokens): rel <= 1e-2."""
+    mma, simt = moe_ops["mma"], moe_ops["simt"]
+    T, H = x.shape
+    ref = cpu.moe(x, router_w, ref_gu, ref_dn, top_k, renorm)
+    args = (mma.asarray(x), mma.asarray(router_w), gate_up, down)
+    names = _spy_kernels(monkeypatch, mma)
+    got = mma.to_numpy(mma.moe(*args, top_k, renorm)).astype(np.float32)
+    assert any(n.startswith("moe_mma_gate_up_") for n in names), names
+    if expect_kernel:
+        assert expect_kernel in names, names
+    base = simt.to_numpy(simt.moe(*args, top_k, renorm)).astype(np.float32)
+    assert got.shape == (T, H)
+    ok = _route_margin_ok(x, router_w, top_k, eps=5e-2)
+    assert ok.sum() >= 1
+    err_ref = _rel(got[ok], ref[ok])
+    err_simt = _rel(got, base)
+    err_simt_ref = _rel(base[ok], ref[ok])
+    print(f"\n[moe mma] T={T} H={H} E={router_w.shape[0]} k={top_k}: rel vs cpu {err_ref:.2e} "
+          f"(simt vs cpu {err_simt_ref:.2e}), vs simt {err_simt:.2e}, {int(ok.sum())}/{T} tokens")
+    assert err_ref <= 1e-2
+    assert err_simt <= 1e-2
+
+
+MOE_TS = [1, 8, 64, 300]
+MOE_EK = [(8, 2), (8, 8), (256, 2), (256, 8)]
+
+
+@pytest.mark.parametrize("variant", ["auto", "m1", "m4"])
+@pytest.mark.parametrize("E,top_k", MOE_EK)
+@pytest.mark.parametrize("T", MOE_TS)
+def test_moe_mma_small(moe_ops, cpu, monkeypatch, T, E, top_k, variant):
+    """H, I multiples of 8 but not of the tiles (136 = 2*64 + 8: a partial 64-wide k-block;
+    I = 72: a partial n-block), every variant, both routing densities."""
+    _moe_variant(monkeypatch, variant)
+    ops = moe_ops["mma"]
+    rng = np.random.default_rng(20 + T + E + top_k)
+    H, I = 136, 72
+    x = _bf(rng.standard_normal((T, H)))
+    router_w = _bf(rng.standard_normal((E, H)) * 1.5 / np.sqrt(H))
+    gate_up = _bf(rng.standard_normal((E, 2 * I, H)) / np.sqrt(H))
+    down = _bf(rng.standard_normal((E, H, I)) / np.sqrt(I))
+    renorm = top_k == 8
+    want = None if variant == "auto" else f"moe_mma_gate_up_{variant}"
+    _check_moe_mma(moe_ops, cpu, x, router_w, ops.asarray(gate_up), ops.asarray(down), top_k,
+                   renorm, gate_up, down, monkeypatch, want)
+
+
+@pytest.mark.parametrize("E,top_k", [(8, 2), (256, 8)])
+@pytest.mark.parametrize("T", MOE_TS)
+def test_moe_mma_35b_a3b(moe_ops, cpu, monkeypatch, T, E, top_k):
+    """Qwen3.5-35B-A3B expert sizes (H 2048, I 512); E = 256 is the real layer (1.6 GB of bf16
+    weights, made on the device). E = 8, T = 300 runs the 64-row tiles."""
+    import cupy as cp
+
+    from metrale.backends.cuda import BF16
+    rng = np.random.default_rng(40 + T + E)
+    H, I = 2048, 512
+    x = _bf(rng.standard_normal((T, H)))
+    router_w = _bf(rng.standard_normal((E, H)) * 1.5 / np.sqrt(H))
+    crng = cp.random.default_rng(41 + T + E)
+    gate_up = (crng.standard_normal((E, 2 * I, H), dtype=cp.float32) * H ** -0.5).astype(BF16)
+    down = (crng.standard_normal((E, H, I), dtype=cp.float32) * I ** -0.5).astype(BF16)
+    try:
+        _check_moe_mma(moe_ops, cpu, x, router_w, gate_up, down, top_k, True,
+                       _HostExperts(gate_up), _HostExperts(down), monkeypatch)
+    finally:
+        del gate_up, down
+        cp.get_default_memory_pool().free_all_blocks()
+
+
+@pytest.mark.parametrize("variant", ["m1", "m4"])
+def test_moe_mma_deterministic(moe_ops, monkeypatch, variant):
+    _moe_variant(monkeypatch, variant)
+    ops = moe_ops["mma"]
+    rng = np.random.default_rng(13)
+    T, H, I, E = 257, 128, 64, 32
+    args = [ops.asarray(a) for a in (rng.standard_normal((T, H)), rng.standard_normal((E, H)),
+                                     rng.standard_normal((E, 2 * I, H)) * 0.1,
+                                     rng.standard_normal((E, H, I)) * 0.1)]
+    a = ops.to_numpy(ops.moe(*args, 4, True))
+    b = ops.to_numpy(ops.moe(*args, 4, True))
+    np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
+def test_moe_impl_flag_and_f32_fallback(cuda_ops, cpu):
+    from metrale.backends.cuda import CudaOps
+    with pytest.raises(ValueError):
+        CudaOps(moe_impl="wgmma")
+    ops = CudaOps(dtype=np.float32, moe_impl="mma")   # fp32 activations: the simt kernels
+    rng = np.random.default_rng(14)
+    T, H, I, E = 9, 64, 48, 8
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    router_w = (rng.standard_normal((E, H)) * 0.3).astype(np.float32)
+    gate_up = (rng.standard_normal((E, 2 * I, H)) / np.sqrt(H)).astype(np.float32)
+    down = (rng.standard_normal((E, H, I)) / np.sqrt(I)).astype(np.float32)
+    ref = cpu.moe(x, router_w, gate_up, down, 2, False)
+    got = ops.to_numpy(ops.moe(ops.asarray(x), ops.asarray(router_w), ops.asarray(gate_up),
+                               ops.asarray(down), 2, False))
+    assert _rel(got, ref) < 1e-4
+
+
 # -- bandwidth report (not a timed test: prints figures for the log) --------------------------
 
 def test_report_decode_bandwidth(cuda_ops):

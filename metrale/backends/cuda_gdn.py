@@ -20,7 +20,15 @@ import numpy as np
 KERNEL_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "kernels_cuda")
 GDN_CHUNK = 64                   # must match CH in gdn_delta.cu
 CONV_SEG = 64                    # tokens per thread segment in gdn_conv.cu
-MOE_BM = 64                      # rows per GEMM tile in moe.cu
+MOE_BM = 64                      # rows per GEMM tile in moe.cu (CUDA-core "simt" GEMMs)
+# tensor-core GEMMs (moe_impl="mma"), must match MOE_MMA_* in moe.cu: variant -> (m-tiles of 16
+# rows, gate_up (n-tiles of 8 weight rows, stages), down (n-tiles, stages)); 4 warps, 64-wide
+# k-blocks. "m1" (16-row tiles) for decode-like routing, "m4" (64-row tiles) once the experts
+# average MOE_MMA_M4_MIN_ROWS rows or more.
+MOE_MMA = {"m1": (1, (4, 4), (4, 3)), "m4": (4, (4, 2), (4, 2))}
+MOE_MMA_WARPS = 4
+MOE_MMA_M4_MIN_ROWS = 32
+MOE_IMPLS = ("simt", "mma")
 GDN_HEAD_DIMS = {(16, 16), (32, 32), (64, 64), (128, 128), (64, 128), (128, 64)}
 SMEM_LIMIT = 232448              # H100/H200 max dynamic shared memory per block
 
@@ -226,6 +234,11 @@ def gated_rms_norm(ops, x, z, w, eps):
 
 # -- mixture of experts -----------------------------------------------------------------------
 
+def moe_mma_smem(mt: int, ntw: int, stages: int) -> int:
+    """Dynamic shared memory of moe_mma_* (per warp and stage: 2*ntw + 4*mt pieces of 32 x 16 B)."""
+    return MOE_MMA_WARPS * stages * (2 * ntw + 4 * mt) * 512
+
+
 def _router_logits(ops, x, router_w):
     linear = getattr(ops, "linear", None)
     if callable(linear):
@@ -235,7 +248,9 @@ def _router_logits(ops, x, router_w):
 
 def moe(ops, x, router_w, gate_up, down, top_k, renormalize):
     """softmax router over E experts, top-k (renormalised when asked), weighted sum of the
-    experts' SiLU MLPs. x [T, H], router_w [E, H], gate_up [E, 2I, H], down [E, H, I]."""
+    experts' SiLU MLPs. x [T, H], router_w [E, H], gate_up [E, 2I, H], down [E, H, I].
+    Expert GEMMs: ops.moe_impl "simt" (CUDA-core 64x64 tiles) or "mma" (tensor cores, bf16;
+    16-row tiles, or 64-row tiles once P >= MOE_MMA_M4_MIN_ROWS * E; see kernels_cuda/moe.cu)."""
     T, H = x.shape
     E = router_w.shape[0]
     I = down.shape[2]
@@ -256,7 +271,17 @@ def moe(ops, x, router_w, gate_up, down, top_k, renormalize):
     down = cp.ascontiguousarray(down)
     logits = cp.ascontiguousarray(_router_logits(ops, x, router_w))
     P = T * top_k
-    max_tiles = P // MOE_BM + min(E, P) + 1
+    impl = getattr(ops, "moe_impl", "simt")
+    if impl not in MOE_IMPLS:
+        raise ValueError(f"moe: moe_impl {impl!r} is not one of {MOE_IMPLS}")
+    use_mma = impl == "mma" and x.dtype.itemsize == 2   # fp32 activations: the simt kernels
+    if use_mma:
+        variant = "m4" if P >= MOE_MMA_M4_MIN_ROWS * E else "m1"
+        mt, (gu_ntw, gu_st), (dn_ntw, dn_st) = MOE_MMA[variant]
+        bm = 16 * mt
+    else:
+        bm = MOE_BM
+    max_tiles = P // bm + min(E, P) + 1
     ints = cp.zeros(2 * E + (E + 1) + 2 * max_tiles + 2 * P + P, dtype=cp.int32)
     counts, fill = ints[:E], ints[E:2 * E]
     offsets = ints[2 * E:3 * E + 1]
@@ -270,11 +295,31 @@ def moe(ops, x, router_w, gate_up, down, top_k, renormalize):
         ((T + 3) // 4,), (128,),
         (logits, np.int32(T), np.int32(E), np.int32(top_k), np.int32(bool(renormalize)),
          ids, wts, counts), shared_mem=4 * E * 4)
-    _kernel(ops, "moe.cu", "moe_scan")(
-        (1,), (1024,), (counts, np.int32(E), np.int32(max_tiles), offsets, tile_expert, tile_row0))
+    if use_mma:
+        _kernel(ops, "moe.cu", "moe_scan_tiles")(
+            (1,), (1024,), (counts, np.int32(E), np.int32(max_tiles), np.int32(bm), offsets,
+                            tile_expert, tile_row0))
+    else:
+        _kernel(ops, "moe.cu", "moe_scan")(
+            (1,), (1024,), (counts, np.int32(E), np.int32(max_tiles), offsets, tile_expert,
+                            tile_row0))
     _kernel(ops, "moe.cu", "moe_scatter")(
         ((P + 255) // 256,), (256,), (ids, np.int32(P), offsets, fill, sorted_pair, pair_pos))
     act = _empty(ops, (P, I), x.dtype)
+    if use_mma:
+        y = _empty(ops, (P, H), x.dtype)
+        for name, ntw, stages, gated, n_out, k_in, a, sp, w, dst in (
+                ("gate_up", gu_ntw, gu_st, True, I, H, x, sorted_pair, gate_up, act),
+                ("down", dn_ntw, dn_st, False, H, I, act, None, down, y)):
+            bn = 8 * (ntw // 2 if gated else ntw)
+            smem = moe_mma_smem(mt, ntw, stages)
+            _kernel(ops, "moe.cu", f"moe_mma_{name}_{variant}", smem)(
+                ((n_out + bn - 1) // bn, max_tiles), (32 * MOE_MMA_WARPS,),
+                (a, sp if sp is not None else np.uint64(0), np.int32(top_k), w, np.int32(n_out),
+                 np.int32(k_in), tile_expert, tile_row0, offsets, dst), shared_mem=smem)
+        _kernel(ops, "moe.cu", f"moe_combine_{sfx}")(
+            (T, (H + 255) // 256), (256,), (y, pair_pos, wts, np.int32(top_k), np.int32(H), out))
+        return out
     _kernel(ops, "moe.cu", f"moe_gemm_gate_up_{sfx}")(
         ((I + 63) // 64, max_tiles), (256,),
         (x, sorted_pair, np.int32(top_k), gate_up, np.int32(I), np.int32(H),
