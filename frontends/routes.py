@@ -74,6 +74,15 @@ class _Resource:
     def tokenizer(self):
         return self.worker.tokenizer
 
+    async def _object_body(self, req) -> tuple[dict, dict]:
+        """(model info, the request's JSON object) for a route that names the served model."""
+        info = self.worker.ready()
+        body = await read_json(req, self.worker.settings)
+        if not isinstance(body, dict):
+            raise errors.invalid("the request body must be a JSON object")
+        schema.check_model(body.get("model"), info["name"])
+        return info, body
+
 
 class Health(_Resource):
     async def on_get(self, req, resp):
@@ -108,11 +117,7 @@ class Models(_Resource):
 
 class Tokenize(_Resource):
     async def on_post(self, req, resp):
-        info = self.worker.ready()
-        body = await read_json(req, self.worker.settings)
-        if not isinstance(body, dict):
-            raise errors.invalid("the request body must be a JSON object")
-        schema.check_model(body.get("model"), info["name"])
+        info, body = await self._object_body(req)
         if "messages" in body:
             chat = schema.parse_chat_request({"messages": body["messages"],
                                               "add_generation_prompt":
@@ -133,11 +138,7 @@ class Tokenize(_Resource):
 
 class Detokenize(_Resource):
     async def on_post(self, req, resp):
-        info = self.worker.ready()
-        body = await read_json(req, self.worker.settings)
-        if not isinstance(body, dict):
-            raise errors.invalid("the request body must be a JSON object")
-        schema.check_model(body.get("model"), info["name"])
+        _, body = await self._object_body(req)
         ids = body.get("tokens")
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool)
                                                 for i in ids):
