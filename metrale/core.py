@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from metrale.backends import make_ops
+from metrale.backends.profiling import ProfiledOps
 from metrale.cache.kv import ModelCaches
 from metrale.cache.swap import SwapSpace
 from metrale.config import EngineConfig
@@ -27,6 +28,7 @@ from metrale.scheduler import Scheduler
 log = logging.getLogger("metrale.core")
 
 _CPU_KV_BUDGET_MB = 1024  # default KV pool on the CPU backend when no size is given
+PROFILE_REPORT_STEPS = 256  # --profile logs the per-op times this often
 
 
 @dataclass(slots=True)
@@ -56,6 +58,8 @@ class EngineCore:
     def __init__(self, ckpt: Checkpoint, config: EngineConfig | None = None):
         self.config = (config or EngineConfig()).validate()
         self.ops = make_ops(self.config)
+        if self.config.profile:     # --profile: every op timed (CUDA graphs stay off)
+            self.ops = ProfiledOps(self.ops)
         if self.ops.name == "cuda":
             # The engine's kernels run on one stream of their own (graphs cannot be captured on
             # the legacy default stream). It is a blocking stream, so work that callers put on
@@ -82,6 +86,7 @@ class EngineCore:
             self._setup_cuda(num_blocks, num_slots)
         self.eos_token_ids: frozenset[int] = frozenset()
         self.last_step: StepStats | None = None
+        self.num_steps = 0
         log.info("engine ready: %s on %s; KV pool %d blocks x %d tokens (%.1f MiB), "
                  "state pool %d rows (%.1f MiB)", ckpt.model_type, self.ops.name, num_blocks,
                  self.config.block_size,
@@ -181,6 +186,11 @@ class EngineCore:
         seconds = time.perf_counter() - t0
         num_tokens = out.num_new_tokens
         self.last_step = StepStats(len(out.seqs), num_tokens, seconds)
+        self.num_steps += 1
+        if self.config.profile and self.num_steps % PROFILE_REPORT_STEPS == 0:
+            log.info("op times over the last %d steps:\n%s", PROFILE_REPORT_STEPS,
+                     self.ops.report())
+            self.ops.reset()
         if out.seqs:
             self.scheduler.observe_step_time(num_tokens, seconds)
         outputs = {}
