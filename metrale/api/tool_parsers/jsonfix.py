@@ -30,22 +30,38 @@ class JsonScan:
     broken: bool  # a closer that does not match its opener
 
 
+class _Structural:
+    """Iterates (index, char) over the characters of `text` from `start` that lie outside JSON
+    strings (string contents and their quotes are skipped); `in_string` tells afterwards
+    whether the text ended inside a string."""
+
+    def __init__(self, text: str, start: int = 0):
+        self.text, self.start, self.in_string = text, start, False
+
+    def __iter__(self):
+        escaped = False
+        text = self.text
+        for i in range(self.start, len(text)):
+            ch = text[i]
+            if self.in_string:
+                if escaped:
+                    escaped = False
+                elif ch == "\\":
+                    escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            else:
+                yield i, ch
+
+
 def scan_json(text: str, start: int = 0) -> JsonScan:
     """Scan from text[start] (an opener) until brackets balance, tracking strings."""
     stack: list[str] = []
-    in_string = escaped = False
-    for i in range(start, len(text)):
-        ch = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in _CLOSER:
+    chars = _Structural(text, start)
+    for i, ch in chars:
+        if ch in _CLOSER:
             stack.append(ch)
         elif ch in "}]":
             if not stack or _CLOSER[stack[-1]] != ch:
@@ -53,7 +69,7 @@ def scan_json(text: str, start: int = 0) -> JsonScan:
             stack.pop()
             if not stack:
                 return JsonScan(i + 1, "", False, False)
-    return JsonScan(None, "".join(stack), in_string, False)
+    return JsonScan(None, "".join(stack), chars.in_string, False)
 
 
 def canonical_json(value: Any) -> str:
@@ -74,22 +90,9 @@ def strict_loads(text: str) -> Any:
 
 
 def _drop_trailing_commas(text: str) -> str:
-    out: list[str] = []
-    in_string = escaped = False
-    for i, ch in enumerate(text):
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch == "," and text[i + 1 :].lstrip()[:1] in ("}", "]"):
-            continue
-        out.append(ch)
-    return "".join(out)
+    drop = {i for i, ch in _Structural(text)
+            if ch == "," and text[i + 1:].lstrip()[:1] in ("}", "]")}
+    return "".join(ch for i, ch in enumerate(text) if i not in drop)
 
 
 def _close_open_brackets(text: str) -> Optional[str]:
