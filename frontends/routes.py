@@ -83,6 +83,13 @@ class _Resource:
         schema.check_model(body.get("model"), info["name"])
         return info, body
 
+    async def _parsed(self, req, parse):
+        """The request body through `parse` (a schema parser), its model checked."""
+        info = self.worker.ready()
+        parsed = parse(await read_json(req, self.worker.settings))
+        schema.check_model(parsed.model, info["name"])
+        return parsed
+
 
 class Health(_Resource):
     async def on_get(self, req, resp):
@@ -530,10 +537,7 @@ class CompletionFormat(_Format):
 
 class ChatCompletions(_Generate):
     async def on_post(self, req, resp):
-        info = self.worker.ready()
-        body = await read_json(req, self.worker.settings)
-        chat = schema.parse_chat_request(body)
-        schema.check_model(chat.model, info["name"])
+        chat = await self._parsed(req, schema.parse_chat_request)
         p = prepare_chat(self.worker, chat.messages, tools=chat.tools, choice=chat.tool_choice,
                          parallel=chat.parallel_tool_calls, kwargs=chat.chat_template_kwargs,
                          thinking_budget=chat.thinking_budget,
@@ -546,10 +550,7 @@ class ChatCompletions(_Generate):
 
 class Completions(_Generate):
     async def on_post(self, req, resp):
-        info = self.worker.ready()
-        body = await read_json(req, self.worker.settings)
-        creq = schema.parse_completion_request(body)
-        schema.check_model(creq.model, info["name"])
+        creq = await self._parsed(req, schema.parse_completion_request)
         token_lists = []
         for p in creq.prompts:
             if isinstance(p, str):
