@@ -109,7 +109,7 @@ class EngineServer:
     # -- events -----------------------------------------------------------------------------
     def emit(self, event_type: str, **fields) -> None:
         if self.journal:
-            event = self.journal.append(event_type, **fields)
+            event = self.journal.append(event_type, flush=False, **fields)
         else:
             event = {"seq": 0, "type": event_type, "ts": time.time(), **fields}
         self.events.send_multipart([event_type.encode(), orjson.dumps(event)])
@@ -128,7 +128,11 @@ class EngineServer:
             self._reap_frontends()
             if self.core.has_unfinished():
                 self._publish(self.core.step())
+            if self.journal:
+                self.journal.flush()
         self.emit("ModelReleased", model=self.model_info.get("name"))
+        if self.journal:
+            self.journal.flush()
 
     def _drain_submits(self) -> None:
         while True:
@@ -217,6 +221,8 @@ class EngineServer:
             self._send(frontend_id, deltas)
 
     def _send(self, frontend_id: str, deltas: list[wire.TokenDelta]) -> None:
+        if self.journal:    # what a frontend hears of is on disk first (one flush per step)
+            self.journal.flush()
         frames = wire.encode(wire.StepOutput(frontend_id, tuple(deltas)))
         self.out.send_multipart([frontend_id.encode(), *frames])
 

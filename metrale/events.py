@@ -96,17 +96,23 @@ class Journal:
         return None
 
     # -- writing ----------------------------------------------------------------------------
-    def append(self, event_type: str, **fields) -> dict:
-        """Give the event the next sequence number, store it, and return it."""
+    def append(self, event_type: str, flush: bool = True, **fields) -> dict:
+        """Give the event the next sequence number, store it, and return it. With
+        flush=False the record stays buffered until `flush()` (the engine flushes once,
+        before anything it acknowledges leaves the process)."""
         event = {"seq": self.next_seq, "type": event_type, "ts": time.time(), **fields}
         payload = orjson.dumps(event)
-        f = self._writer()
-        f.write(_HEADER.pack(len(payload), zlib.crc32(payload)) + payload)
-        f.flush()
-        if self.fsync:
-            os.fsync(f.fileno())
+        self._writer().write(_HEADER.pack(len(payload), zlib.crc32(payload)) + payload)
         self.next_seq += 1
+        if flush:
+            self.flush()
         return event
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+            if self.fsync:
+                os.fsync(self._file.fileno())
 
     def _writer(self):
         if self._file is not None and self._file.tell() < self.segment_bytes:
