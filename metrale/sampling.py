@@ -39,6 +39,9 @@ import numpy as np
 from metrale.config import EngineConfig
 
 
+GREEDY_TEMPERATURE = 1e-5   # temperatures below this sample greedily
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 256
@@ -78,14 +81,18 @@ class SamplingParams:
 
     def validate(self) -> "SamplingParams":
         """Check every field against its accepted range; raise ValueError naming the field, the
-        range and the value. Normalises top_k == -1 (the vLLM spelling of "off") to 0.
-        Returns self, so `SamplingParams(**d).validate()` chains."""
+        range and the value. Normalises top_k == -1 (the vLLM spelling of "off") to 0, and a
+        temperature below GREEDY_TEMPERATURE to 0 (greedy): dividing logits by it would
+        overflow to inf/NaN (as vLLM does). Returns self, so `SamplingParams(**d).validate()`
+        chains."""
         for name, rule in _INT_RULES.items():
             _check(name, getattr(self, name), rule, integer=True)
         for name, rule in _FLOAT_RULES.items():
             _check(name, getattr(self, name), rule, integer=False)
         if self.top_k == -1:
             self.top_k = 0
+        if self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0
         self._validate_optional_fields()
         return self
 

@@ -367,3 +367,17 @@ def test_sample_reports_batch_mistakes():
     logits[1, 3] = np.nan
     with pytest.raises(ValueError, match=r"logits rows \[1\] contain NaN"):
         Sampler().sample(logits, [SamplingParams(temperature=0)] * 2, [None, None])
+
+
+def test_vanishing_temperature_is_greedy_not_nan():
+    """A positive temperature too small to divide by (found by the API fuzzer: 1.6e-166 turned
+    every logit into inf and the sampler's error took the engine down) samples greedily."""
+    from metrale.sampling import Sampler, SamplingParams, make_generator
+
+    logits = np.random.default_rng(3).standard_normal((2, 320)).astype(np.float32)
+    tiny = SamplingParams(temperature=1.5804286388211614e-166, top_p=0.9, top_k=8385).validate()
+    assert tiny.temperature == 0.0
+    out = Sampler().sample(logits, [tiny, SamplingParams(top_p=5e-324).validate()],
+                           [make_generator(1, 1), make_generator(2, 2)], [([1], []), ([1], [])])
+    assert out.token_ids[0] == logits[0].argmax()
+    assert out.token_ids[1] == logits[1].argmax()   # the smallest nucleus keeps the top token
