@@ -127,12 +127,37 @@ class EngineServer:
                 self._drain_control()
             self._reap_frontends()
             if self.core.has_unfinished():
-                self._publish(self.core.step())
+                self._step()
             if self.journal:
                 self.journal.flush()
         self.emit("ModelReleased", model=self.model_info.get("name"))
         if self.journal:
             self.journal.flush()
+
+    def _step(self) -> None:
+        """One engine step. A step that raises is a bug, but it must not take every other
+        client down with the process: the requests in flight fail with a 500 and the engine
+        goes on serving."""
+        try:
+            outputs = self.core.step()
+        except Exception:
+            log.exception("engine step failed; failing the %d requests in flight", len(self.live))
+            self._fail_in_flight("the engine failed while running this request's batch "
+                                 "(an internal error, logged by the engine); retry")
+            return
+        self._publish(outputs)
+
+    def _fail_in_flight(self, message: str) -> None:
+        for rid, live in list(self.live.items()):
+            try:
+                self.core.abort_request(rid)
+            except Exception:
+                log.exception("could not release request %s", rid)
+            del self.live[rid]
+            self.metrics.finished()
+            self.emit("RequestAborted", request_id=rid, reason="error", cause="engine_error")
+            self._send(live.frontend_id, [wire.TokenDelta(rid, (), "error", error=message,
+                                                          error_status=500)])
 
     def _drain_submits(self) -> None:
         while True:
