@@ -5,6 +5,9 @@
 #   QUICK=1 perf/gpu_run.sh ...     shorter benchmark sweep
 #   PYTEST_ARGS="-k attention" ...  a subset of the GPU tests
 #   PYTEST_FILES="tests/test_gpu_models.py" ...  other test files (default: test_cuda_*, test_gpu_*)
+#   PROFILE="qwen3_5_9b:1,64 ..."  per-kernel decode profiles (perf/decode_profile.py) first
+#   SKIP_TESTS=1 ...  no GPU tests
+#   BUNDLE=1 ...  pack everything under OUTDIR into OUTDIR/bundle.tgz (the device returns 8 files)
 #   MOE_BENCH=1 ...  also the MoE op benchmark (bench_ops.py --moe-only) when SKIP_OPS is set
 #
 # Wheels the GPU image lacks (pyzmq, falcon, gunicorn, orjson) are installed from ./.whl when it
@@ -30,9 +33,18 @@ fi
 { nvidia-smi; nvcc --version; "$PY" -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__)"; } \
   > "$OUTDIR/env.txt" 2>&1
 
+for spec in ${PROFILE:-}; do
+  echo "== decode profile $spec"
+  "$PY" perf/decode_profile.py --shape "${spec%%:*}" --batch "${spec#*:}" --out "$OUTDIR" 2>&1 \
+    | tee "$OUTDIR/profile_${spec%%:*}.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+done
+
+if [ -z "${SKIP_TESTS:-}" ]; then
 echo "== GPU tests"
 "$PY" -m pytest -m gpu -q -rfEs --timeout 1200 ${PYTEST_ARGS:-} ${PYTEST_FILES:-tests/test_cuda_*.py tests/test_gpu_*.py} 2>&1 | tee "$OUTDIR/pytest_gpu.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
 
 if [ -z "${SKIP_OPS:-}" ]; then
 echo "== kernel resources (sm_90)"
@@ -65,5 +77,8 @@ for shape in ${LADDER_HTTP-smollm2_135m qwen3_5_9b}; do
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
 
+if [ -n "${BUNDLE:-}" ]; then
+  tar czf /tmp/bundle.tgz -C "$OUTDIR" . && find "$OUTDIR" -type f -delete && mv /tmp/bundle.tgz "$OUTDIR/"
+fi
 echo "gpu_run.sh: status $status, logs in $OUTDIR"
 exit $status

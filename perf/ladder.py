@@ -204,42 +204,23 @@ def write_model_folder(shape: str, folder: Path) -> Path:
     return folder
 
 
-async def _stream_one(client, url, model, ids, osl):
-    t0 = time.perf_counter()
-    first = last = None
-    usage = 0
-    body = {"model": model, "prompt": ids, "max_tokens": osl, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    async with client.stream("POST", url, json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            now = time.perf_counter()
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                first = first or now
-                last = now
-            if chunk.get("usage"):
-                usage = chunk["usage"]["completion_tokens"]
-    return t0, first, last, usage
+def run_http_rung(base: str, model: str, conc: int, isl: int, osl: int, vocab: int, rng,
+                  procs: int = 4) -> dict:
+    """One rung through the server: C streamed completions from `procs` client processes
+    (perf/http_load.py), all started together; figures as run_rung's."""
+    from urllib.parse import urlsplit
 
+    from perf.http_load import run_load
 
-def run_http_rung(base: str, model: str, conc: int, isl: int, osl: int, vocab: int, rng) -> dict:
-    import asyncio
-
-    import httpx
-
-    async def go():
-        limits = httpx.Limits(max_connections=conc + 8, max_keepalive_connections=conc + 8)
-        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-            prompts = [[int(t) for t in rng.integers(100, vocab - 100, isl)] for _ in range(conc)]
-            t0 = time.perf_counter()
-            res = await asyncio.gather(*(_stream_one(client, base + "/v1/completions", model, p,
-                                                     osl) for p in prompts))
-            return t0, res
-
-    t0, res = asyncio.run(go())
+    url = urlsplit(base)
+    bodies = [json.dumps({"model": model, "prompt": [int(t) for t in rng.integers(100, vocab - 100, isl)],
+                          "max_tokens": osl, "temperature": 0, "ignore_eos": True, "stream": True,
+                          "stream_options": {"include_usage": True}}).encode() for _ in range(conc)]
+    res = run_load(url.hostname, url.port, "/v1/completions", bodies, procs)
+    t0 = min(r[0] for r in res)
+    missing = [r for r in res if r[1] is None]
+    if missing:
+        raise RuntimeError(f"{len(missing)} of {conc} streams returned no text")
     wall = max(r[2] for r in res) - t0
     tokens = sum(r[3] for r in res)
     ttft = [r[1] - r[0] for r in res]
@@ -257,11 +238,17 @@ def start_server(folder: Path, args, max_conc: int, port: int):
            "--device", args.device, "--port", str(port), "--max-batch-size", str(max_conc),
            "--max-num-seqs", str(max_conc), "--max-seq-len", str(args.isl + args.osl + 32),
            "--frontends", str(args.frontends), "--no-event-log", "--swap-space-gb", "0"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # the server's output goes to a file: a pipe nobody reads fills up (64 KiB) and then blocks
+    # the engine's next log line, which is how the first GPU HTTP ladder stalled at C = 128
+    log_path = Path(args.out) / f"serve_{args.shape}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "ab")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc.log_path = log_path
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"met serve exited {proc.returncode}: {proc.stderr.read()[-3000:]}")
+            raise RuntimeError(f"met serve exited {proc.returncode}: {_tail(log_path)}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                 return proc
@@ -270,6 +257,13 @@ def start_server(folder: Path, args, max_conc: int, port: int):
         time.sleep(1)
     proc.kill()
     raise RuntimeError("met serve did not become healthy in 900 s")
+
+
+def _tail(path: Path, n: int = 3000) -> str:
+    try:
+        return path.read_bytes()[-n:].decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def git_commit() -> str:
@@ -295,6 +289,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--frontends", type=int, default=4)
     ap.add_argument("--port", type=int, default=8899)
+    ap.add_argument("--client-procs", type=int, default=4,
+                    help="HTTP client processes the C streams are spread over")
     args = ap.parse_args(argv)
     if args.http:
         return main_http(args)
@@ -370,9 +366,10 @@ def main_http(args) -> int:
     try:
         model = __import__("httpx").get(base + "/v1/models").json()["data"][0]["id"]
         for conc in rungs:
-            run_http_rung(base, model, conc, args.isl, args.osl, vocab, rng)   # warm-up
-            reps = [run_http_rung(base, model, conc, args.isl, args.osl, vocab, rng)
-                    for _ in range(args.reps)]
+            run_http_rung(base, model, conc, args.isl, args.osl, vocab, rng,
+                          args.client_procs)   # warm-up
+            reps = [run_http_rung(base, model, conc, args.isl, args.osl, vocab, rng,
+                                  args.client_procs) for _ in range(args.reps)]
             row = dict(concurrency=conc, tok_s=statistics.mean(r["tok_s"] for r in reps),
                        tok_s_reps=[r["tok_s"] for r in reps],
                        ttft_p50_ms=statistics.median(r["ttft_p50_ms"] for r in reps),
@@ -381,9 +378,16 @@ def main_http(args) -> int:
             results.append(row)
             print(f"http {args.shape} C={conc:4d}  {row['tok_s']:10.1f} tok/s  TTFT p50 "
                   f"{row['ttft_p50_ms']:8.1f} ms  ITL p50 {row['itl_p50_ms']:7.2f} ms", flush=True)
+    except BaseException:
+        print(f"--- met serve log ({proc.log_path}), last lines:\n{_tail(proc.log_path)}", flush=True)
+        raise
     finally:
         proc.terminate()
-        proc.wait(30)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)   # its own session: the engine and frontends go with it
+            proc.wait()
     device = args.device
     if device == "cuda":
         import cupy as cp

@@ -374,7 +374,9 @@ def _spy_kernels(monkeypatch, ops):
 
 def _check_moe_mma(moe_ops, cpu, x, router_w, gate_up, down, top_k, renorm, ref_gu, ref_dn,
                    monkeypatch, expect_kernel=None):
-    """mma vs CPU reference (tokens with a clear top-k) and vs simt (all tokens): rel <= 1e-2."""
+    """mma vs CPU reference (tokens with a clear top-k): rel < 1.5e-2, the bound the simt kernels
+    are held to (one token at H = 136 measured 1.21e-2 for both kernels: bf16 rounding of the
+    activations between the two expert GEMMs); vs simt (all tokens): rel <= 1e-2."""
     mma, simt = moe_ops["mma"], moe_ops["simt"]
     T, H = x.shape
     ref = cpu.moe(x, router_w, ref_gu, ref_dn, top_k, renorm)
@@ -393,7 +395,7 @@ def _check_moe_mma(moe_ops, cpu, x, router_w, gate_up, down, top_k, renorm, ref_
     err_simt_ref = _rel(base[ok], ref[ok])
     print(f"\n[moe mma] T={T} H={H} E={router_w.shape[0]} k={top_k}: rel vs cpu {err_ref:.2e} "
           f"(simt vs cpu {err_simt_ref:.2e}), vs simt {err_simt:.2e}, {int(ok.sum())}/{T} tokens")
-    assert err_ref <= 1e-2
+    assert err_ref < 1.5e-2
     assert err_simt <= 1e-2
 
 

@@ -1,12 +1,13 @@
 """The real default model (SmolLM2-135M-Instruct, GGUF Q4_1) served by `met serve --device cuda`
 on the GPU: it answers the Paris question, streamed equals non-streamed, concurrent greedy
-requests get the answer a lone request gets, and the GPU's greedy completion starts like the CPU
-backend's (fp32, the spec) on the same weights."""
+requests all answer it, and the GPU's greedy completion starts like the CPU backend's (fp32, the
+spec) on the same weights. Plain httpx (the GPU image has no openai SDK)."""
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
-import openai
+import httpx
 import pytest
 
 from tests.assets import smollm2_gguf_path
@@ -32,44 +33,47 @@ def server(tmp_path_factory):
         srv.stop()
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=300)
+def _chat(url, **kw):
+    r = httpx.post(url + "/v1/chat/completions", timeout=300,
+                   json={"model": MODEL, "messages": CHAT, "temperature": 0, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
 
 
-def test_gpu_answers_paris(client):
-    out = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24,
-                                         temperature=0)
-    text = out.choices[0].message.content
+def test_gpu_answers_paris(server):
+    text = _chat(server.url, max_tokens=24)
     print("GPU answer:", repr(text))
     assert "Paris" in text
 
 
-def test_gpu_streamed_equals_non_streamed_and_concurrent_equals_alone(client):
-    alone = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16,
-                                           temperature=0).choices[0].message.content
-    chunks = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16,
-                                            temperature=0, stream=True)
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == alone
-
-    def one(_):
-        return client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16,
-                                              temperature=0).choices[0].message.content
-
+def test_gpu_streamed_equals_non_streamed_and_concurrent_all_answer(server):
+    alone = _chat(server.url, max_tokens=16)
+    parts = []
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=300,
+                      json={"model": MODEL, "messages": CHAT, "temperature": 0,
+                            "max_tokens": 16, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                if chunk["choices"]:
+                    parts.append(chunk["choices"][0]["delta"].get("content") or "")
+    assert "".join(parts) == alone
     with ThreadPoolExecutor(12) as pool:
-        answers = list(pool.map(one, range(12)))
+        answers = list(pool.map(lambda _: _chat(server.url, max_tokens=16), range(12)))
     # bf16 batches of other sizes may round differently; the answer to this question must not
     assert all("Paris" in a for a in answers), answers
 
 
-def test_gpu_completion_starts_like_the_cpu_backend(client):
+def test_gpu_completion_starts_like_the_cpu_backend(server):
     from metrale.llm import LLM
     from metrale.sampling import SamplingParams
 
     prompt = "The capital of France is"
-    gpu = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4,
-                                    temperature=0).choices[0].text
+    r = httpx.post(server.url + "/v1/completions", timeout=300,
+                   json={"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200, r.text
+    gpu = r.json()["choices"][0]["text"]
     cpu = LLM(str(smollm2_gguf_path()), device="cpu", max_seq_len=256).generate(
         [prompt], SamplingParams(temperature=0, max_tokens=4))[0].text
     print("GPU:", repr(gpu), "CPU:", repr(cpu))

@@ -165,7 +165,7 @@ class CudaOps:
     name = "cuda"
 
     def __init__(self, device: int | None = None, dtype=BF16, part_tokens: int | None = None,
-                 attn_impl: str = "mma", moe_impl: str = "simt"):
+                 attn_impl: str = "mma", moe_impl: str = "mma"):
         import cupy
 
         self.cp = cupy
@@ -179,8 +179,9 @@ class CudaOps:
         # attention kernels: "mma" (tensor cores) or "simt" (CUDA-core fallback), for both paths,
         # or per path as "decode=simt,prefill=mma"
         self.attn_decode_impl, self.attn_prefill_impl = self._parse_attn_impl(attn_impl)
-        # MoE expert GEMMs (metrale.backends.cuda_gdn.moe): "simt" (CUDA-core tiles) or "mma"
-        # (tensor cores, bf16 only; fp32 activations keep the simt kernels)
+        # MoE expert GEMMs (metrale.backends.cuda_gdn.moe): "mma" (tensor cores, bf16 only; fp32
+        # activations keep the simt kernels), 6-8x the simt tiles on the 35B-A3B expert shapes
+        # (H200, perf/bench_ops.py --moe-only), or "simt" (CUDA-core tiles)
         if moe_impl not in ("simt", "mma"):
             raise ValueError(f"moe_impl {moe_impl!r}: expected 'simt' or 'mma'")
         self.moe_impl = moe_impl
