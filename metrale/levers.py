@@ -48,6 +48,10 @@ LEVERS: dict[str, Lever] = {lv.name: lv for lv in (
           "directory of the .cu sources; empty = kernels_cuda/ of this checkout"),
     Lever("METRALE_CUBLAS", str, "", "metrale/backends/cublas.py",
           "path of libcublas to load; empty = the nvidia pip package, cupy's or the toolkit's"),
+    Lever("METRALE_GEMM_TUNE", str, "1", "metrale/backends/cuda.py",
+          "1 = linear GEMMs through cuBLASLt, each decode-sized shape autotuned once (outside "
+          "graph capture) over the heuristic's algorithms and cublasGemmEx; 0 = plain "
+          "cublasGemmEx (CUBLAS_GEMM_DEFAULT) everywhere"),
     Lever("METRALE_CUDA_POISON", str, "", "metrale/backends/cuda.py",
           "1 = fill every new CUDA op output with NaN first (tests: catches unwritten outputs)"),
 )}

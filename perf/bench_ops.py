@@ -14,17 +14,26 @@ Measures the ceilings first (device-to-device copy bandwidth, bf16 GEMM rate at 
     sets (so the active experts change every call and are not L2-resident), as a fraction of the
     copy bandwidth for the bytes of the active experts.
 Writes perf/results/ops_<date>_<commit>.json (and a copy under --out) and prints a table.
+CudaOps.linear runs the autotuned cuBLASLt path (METRALE_GEMM_TUNE=1, the default).
 
-    python perf/bench_ops.py [--out DIR] [--quick] [--moe-only]
+--gemm-only: the decode GEMMs alone, [out x in] = 12288x4096, 4096x12288, 248320x4096 (bf16, fp32
+accumulate) at M = 1, 2, 4, ..., 128, for cublasGemmEx (CUBLAS_GEMM_DEFAULT), cuBLASLt's heuristic
+#0 and the autotuned cuBLASLt plan, eager and replayed from a captured CUDA graph: microseconds,
+fraction of the copy bandwidth (bytes = weights + x + y), the chosen algorithm and the tuning time
+of the first call. Writes perf/results/gemm_<date>_<commit>.json (and a copy under --out).
+
+    python perf/bench_ops.py [--out DIR] [--quick] [--moe-only | --gemm-only]
 """
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
 import json
+import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +44,8 @@ sys.path.insert(0, str(ROOT))
 import cupy  # noqa: E402
 import ml_dtypes  # noqa: E402
 
+from metrale.backends import cublas as cb  # noqa: E402
+from metrale.backends import cublaslt as lt  # noqa: E402
 from metrale.backends.cuda import CudaOps  # noqa: E402
 from metrale.forward import ForwardBatch  # noqa: E402
 
@@ -110,6 +121,7 @@ def bench_gemms(ops: CudaOps, copy_bw: float, quick: bool) -> list[dict]:
             nbytes = (n * k + m * k + m * n) * 2
             iters = 20 if quick else 100
             eager = time_gpu(lambda: ops.linear(x, w), iters)
+            plan = getattr(ops._blas(), "last_plan", None)   # the tuned cuBLASLt plan (or gemmex)
             try:
                 graph = time_graph(lambda: ops.linear(x, w), 10, 5 if quick else 20)
             except Exception as e:  # report, keep benchmarking
@@ -119,9 +131,89 @@ def bench_gemms(ops: CudaOps, copy_bw: float, quick: bool) -> list[dict]:
             rows.append({"in": k, "out": n, "M": m, "bytes": nbytes, "eager_s": eager, "graph_s": graph,
                          "eager_frac_copy_bw": nbytes / eager / copy_bw,
                          "graph_frac_copy_bw": nbytes / graph / copy_bw if graph == graph else None,
-                         "graph_error": err, "flop_per_s_graph": 2 * m * n * k / graph if graph == graph else None})
+                         "graph_error": err, "flop_per_s_graph": 2 * m * n * k / graph if graph == graph else None,
+                         "algo": plan.name if plan is not None else "gemmex"})
         del w
     return rows
+
+
+GEMM_SHAPES = [(12288, 4096), (4096, 12288), (248320, 4096)]   # [out x in]
+GEMM_MS = (1, 2, 4, 8, 16, 32, 64, 128)
+GEMM_VARIANTS = ("gemmex", "lt_heuristic0", "lt_tuned")
+
+
+def gemm_variants(ops: CudaOps) -> dict:
+    """{variant: object with gemm_rowmajor_xwT}: cublasGemmEx (our cuBLAS handle), cuBLASLt's
+    heuristic #0 and the autotuned cuBLASLt plan (the one CudaOps.linear uses), one workspace."""
+    blas = ops._blas()
+    if not isinstance(blas, lt.LtGemm):   # METRALE_GEMM_TUNE=0 or no libcublasLt
+        major = cupy.cuda.runtime.runtimeGetVersion() // 1000
+        try:
+            blas = lt.LtGemm(lt.load_libcublaslt(major), blas, ops._workspace.data.ptr, cb.WORKSPACE_BYTES)
+        except cb.CublasError as e:
+            print(f"cuBLASLt unavailable: {e}")
+            return {"gemmex": blas}
+    heur = lt.LtGemm(blas.lib, blas.blas, blas.workspace_ptr, blas.workspace_bytes, mode="heuristic")
+    return {"gemmex": blas.blas, "lt_heuristic0": heur, "lt_tuned": blas}
+
+
+def bench_gemm_variants(ops: CudaOps, copy_bw: float, quick: bool) -> list[dict]:
+    variants = gemm_variants(ops)
+    rows = []
+    for n, k in GEMM_SHAPES:
+        w = rand_bf16((n, k), k ** -0.5)
+        for m in ((1, 8, 64) if quick else GEMM_MS):
+            x = rand_bf16((m, k))
+            y = cupy.empty((m, n), dtype=BF16)
+            nbytes = (n * k + m * k + m * n) * 2
+            row = {"out": n, "in": k, "M": m, "bytes": nbytes}
+            outs = {}
+            for name, g in variants.items():
+                def fn(g=g):
+                    g.gemm_rowmajor_xwT(cupy.cuda.get_current_stream().ptr, x.data.ptr, k, w.data.ptr, k,
+                                        y.data.ptr, n, m, n, k, cb.CUDA_R_16BF)
+                t0 = time.perf_counter()
+                fn()                                     # tunes (lt_tuned), outside any capture
+                cupy.cuda.get_current_stream().synchronize()
+                first = time.perf_counter() - t0
+                outs[name] = y.copy()
+                eager = time_gpu(fn, 20 if quick else 100)
+                try:
+                    graph, err = time_graph(fn, 10, 5 if quick else 20), None
+                except Exception as e:  # report, keep benchmarking
+                    graph, err = float("nan"), repr(e)
+                plan = getattr(g, "last_plan", None)
+                row[name] = {"eager_s": eager, "graph_s": graph, "graph_error": err, "first_call_s": first,
+                             "eager_frac_copy_bw": nbytes / eager / copy_bw,
+                             "graph_frac_copy_bw": nbytes / graph / copy_bw if graph == graph else None,
+                             "algo": plan.name if plan is not None else "gemmex",
+                             "algo_id": plan.algo_id if plan is not None else None,
+                             "plan": plan.as_dict() if plan is not None else None}
+            ref = outs["gemmex"].astype(cupy.float32)
+            for name, o in outs.items():   # every variant computes the same product
+                d = o.astype(cupy.float32) - ref
+                row[name]["rel_vs_gemmex"] = float(cupy.sqrt((d * d).sum() / max(float((ref * ref).sum()), 1e-30)))
+            rows.append(row)
+        w = x = y = None   # the 2 GB lm head goes before the next shape
+        cupy.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+def gemm_section(res: dict, ops: CudaOps, copy_bw: float, quick: bool) -> None:
+    res["gemm_variants"] = rows = bench_gemm_variants(ops, copy_bw, quick)
+    names = [n for n in GEMM_VARIANTS if n in rows[0]]
+    print(f"\n{'GEMM out x in':>15} {'M':>4} " + " ".join(f"{n + ' eager/graph us, %bw':>34}" for n in names)
+          + "  tuned algo (tuning ms)")
+    for r in rows:
+        cols = []
+        for n in names:
+            v = r[n]
+            g = v["graph_frac_copy_bw"]
+            cols.append(f"{v['eager_s'] * 1e6:>8.1f} {v['graph_s'] * 1e6:>8.1f} {100 * v['eager_frac_copy_bw']:>6.0f}% "
+                        f"{(100 * g if g else float('nan')):>6.0f}%")
+        tuned = r.get("lt_tuned")
+        extra = f"  {tuned['algo']} ({tuned['first_call_s'] * 1e3:.0f})" if tuned else ""
+        print(f"{r['out']:>7}x{r['in']:<7} {r['M']:>4} " + " ".join(f"{c:>34}" for c in cols) + extra)
 
 
 def decode_batch(b: int, ctx: int, bs: int, rng) -> tuple[ForwardBatch, int]:
@@ -268,25 +360,34 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--moe-only", action="store_true", help="ceilings + the MoE section only")
+    ap.add_argument("--gemm-only", action="store_true",
+                    help="ceilings + decode GEMMs: cublasGemmEx vs cuBLASLt heuristic #0 vs autotuned")
     args = ap.parse_args()
     ops = CudaOps()
     props = cupy.cuda.runtime.getDeviceProperties(ops.device.id)
     res = {"commit": commit(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
            "device": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
            "sm_count": props["multiProcessorCount"], "cupy": cupy.__version__,
-           "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(), "cublas": ops._blas().version, "dtype": "bfloat16"}
+           "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(), "cublas": ops._blas().version,
+           "cublaslt": getattr(ops._blas(), "lt_version", None), "dtype": "bfloat16"}
     res["ceilings"] = c = bench_ceilings(ops)
     print(f"copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s   bf16 GEMM 8192^3 {c['gemm_bf16_flop_per_s'] / 1e12:.0f} TFLOP/s")
     if args.moe_only:
         moe_section(res, c["copy_bytes_per_s"], args.quick)
         write_results(res, args.out)
         return
+    if args.gemm_only:
+        logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+        logging.getLogger("metrale.gemm").setLevel(logging.DEBUG)   # one line per tuned shape
+        gemm_section(res, ops, c["copy_bytes_per_s"], args.quick)
+        write_results(res, args.out, prefix="gemm")
+        return
     res["gemm_decode"] = bench_gemms(ops, c["copy_bytes_per_s"], args.quick)
-    print(f"\n{'GEMM in x out':>16} {'M':>4} {'eager us':>9} {'graph us':>9} {'eager %bw':>9} {'graph %bw':>9}")
+    print(f"\n{'GEMM in x out':>16} {'M':>4} {'eager us':>9} {'graph us':>9} {'eager %bw':>9} {'graph %bw':>9}  algo")
     for r in res["gemm_decode"]:
         g = r["graph_frac_copy_bw"]
         print(f"{r['in']:>7}x{r['out']:<8} {r['M']:>4} {r['eager_s'] * 1e6:>9.1f} {r['graph_s'] * 1e6:>9.1f} "
-              f"{100 * r['eager_frac_copy_bw']:>8.0f}% {(100 * g if g else float('nan')):>8.0f}%")
+              f"{100 * r['eager_frac_copy_bw']:>8.0f}% {(100 * g if g else float('nan')):>8.0f}%  {r['algo']}")
     impls = {name: (ops if name == "mma" else CudaOps(attn_impl=name)) for name in ATTN_IMPLS}
     res["attention_decode"] = bench_decode_attention(impls, c["copy_bytes_per_s"], args.quick)
     print(f"\n{'decode attn heads':>17} {'B':>4} {'ctx':>6} " + " ".join(f"{n + ' us':>9} {'%bw':>5}" for n in impls)
@@ -303,8 +404,8 @@ def main() -> None:
     write_results(res, args.out)
 
 
-def write_results(res: dict, out: str) -> None:
-    name = f"ops_{_dt.date.today():%Y%m%d}_{res['commit']}.json"
+def write_results(res: dict, out: str, prefix: str = "ops") -> None:
+    name = f"{prefix}_{_dt.date.today():%Y%m%d}_{res['commit']}.json"
     paths = [ROOT / "perf" / "results" / name] + ([Path(out) / name] if out else [])
     for p in paths:
         try:

@@ -43,19 +43,22 @@ class CublasError(RuntimeError):
     pass
 
 
-def _candidates(major: int | None) -> list[str]:
-    names = [f"libcublas.so.{major}"] if major else []
-    names += ["libcublas.so.13", "libcublas.so.12", "libcublas.so"]
+def _candidates(major: int | None, name: str = "cublas") -> list[str]:
+    """Where lib<name>.so may be (`name` is "cublas" or "cublasLt"): sonames, then files."""
+    names = [f"lib{name}.so.{major}"] if major else []
+    names += [f"lib{name}.so.13", f"lib{name}.so.12", f"lib{name}.so"]
+    pattern = f"lib{name}.so*"   # "libcublas.so*" does not match libcublasLt.so*
     paths: list[str] = []
     env = levers.get("METRALE_CUBLAS")
-    if env:
-        paths.append(env)
+    if env:   # libcublas itself; libcublasLt is looked for next to it
+        paths += [env] if name == "cublas" else sorted(
+            glob.glob(os.path.join(os.path.dirname(env), pattern)), reverse=True)
     try:  # the `nvidia-cublas` pip package (nvidia/cu13/lib or nvidia/cublas/lib)
         import nvidia  # type: ignore
 
         for root in list(getattr(nvidia, "__path__", [])):
             for sub in ("cu13/lib", "cublas/lib", "cu12/lib"):
-                paths += sorted(glob.glob(os.path.join(root, sub, "libcublas.so*")), reverse=True)
+                paths += sorted(glob.glob(os.path.join(root, sub, pattern)), reverse=True)
     except ImportError:
         pass
     try:
@@ -64,32 +67,43 @@ def _candidates(major: int | None) -> list[str]:
         cuda_path = cupy.cuda.get_cuda_path()
         if cuda_path:
             for lib in ("lib64", "lib", "targets/x86_64-linux/lib"):
-                paths += sorted(glob.glob(os.path.join(cuda_path, lib, "libcublas.so*")), reverse=True)
+                paths += sorted(glob.glob(os.path.join(cuda_path, lib, pattern)), reverse=True)
     except Exception:
         pass
     for root in ("/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"), reverse=True)):
-        paths += sorted(glob.glob(os.path.join(root, "lib64", "libcublas.so*")), reverse=True)
-    found = ctypes.util.find_library("cublas")
+        paths += sorted(glob.glob(os.path.join(root, "lib64", pattern)), reverse=True)
+    found = ctypes.util.find_library(name)
     if found:
         paths.append(found)
-    # sonames first (a library CuPy already loaded is reused), then files, preferring `major`
+    # sonames first (a library CuPy or libcublas already loaded is reused), then files,
+    # preferring `major`
     if major:
         paths.sort(key=lambda p: f".so.{major}" not in p)
     return names + paths
 
 
-def load_libcublas(major: int | None = None) -> ctypes.CDLL:
-    """Load libcublas (preferring the CUDA major version `major`, e.g. that of CuPy's runtime)."""
+def load_library(name: str, major: int | None = None) -> ctypes.CDLL:
+    """Load lib<name>.so ("cublas" or "cublasLt"), preferring the CUDA major version `major`
+    (e.g. that of CuPy's runtime)."""
     tried = []
-    for cand in _candidates(major):
+    for cand in _candidates(major, name):
         try:
             return ctypes.CDLL(cand, mode=ctypes.RTLD_GLOBAL)
         except OSError as e:
             tried.append(f"{cand}: {e}")
     raise CublasError(
-        "libcublas not found. Install the `nvidia-cublas` wheel (nvidia/cu13/lib/libcublas.so.13), "
-        "put the CUDA toolkit's lib64 on LD_LIBRARY_PATH, or set METRALE_CUBLAS=/path/libcublas.so.13."
-        " Tried: " + "; ".join(tried[:8]))
+        f"lib{name} not found. Install the `nvidia-cublas` wheel (nvidia/cu13/lib/lib{name}.so.13), "
+        "put the CUDA toolkit's lib64 on LD_LIBRARY_PATH, or set METRALE_CUBLAS=/path/libcublas.so.13"
+        " (libcublasLt is looked for next to it). Tried: " + "; ".join(tried[:8]))
+
+
+def load_libcublas(major: int | None = None) -> ctypes.CDLL:
+    """Load libcublas (preferring the CUDA major version `major`, e.g. that of CuPy's runtime)."""
+    return load_library("cublas", major)
+
+
+def status_name(status: int) -> str:
+    return _STATUS.get(status, str(status))
 
 
 class Cublas:
@@ -127,7 +141,7 @@ class Cublas:
     @staticmethod
     def _check(status: int, what: str) -> None:
         if status != 0:
-            raise CublasError(f"{what} failed: {_STATUS.get(status, status)}")
+            raise CublasError(f"{what} failed: {status_name(status)}")
 
     def bind(self, stream_ptr: int) -> None:
         """Bind the handle to `stream_ptr` (a cudaStream_t as int; 0 = legacy default stream)."""

@@ -417,11 +417,25 @@ class CudaOps:
 
     # -- matrices --------------------------------------------------------------------------
     def _blas(self):
+        """The GEMM handle: cuBLASLt with per-shape autotuning (metrale.backends.cublaslt) over
+        our cuBLAS handle; the plain cublasGemmEx handle when METRALE_GEMM_TUNE=0 or libcublasLt
+        cannot be used. Both share one workspace."""
         if self._cublas is None:
             major = self.cp.cuda.runtime.runtimeGetVersion() // 1000
             lib = _cublas.load_libcublas(major)
             self._workspace = self.cp.empty(_cublas.WORKSPACE_BYTES, dtype=np.uint8)
-            self._cublas = _cublas.Cublas(lib, self._workspace.data.ptr, _cublas.WORKSPACE_BYTES)
+            blas = _cublas.Cublas(lib, self._workspace.data.ptr, _cublas.WORKSPACE_BYTES)
+            if levers.get("METRALE_GEMM_TUNE") != "0":
+                from metrale.backends import cublaslt as _cublaslt
+
+                try:
+                    blas = _cublaslt.LtGemm(_cublaslt.load_libcublaslt(major), blas, self._workspace.data.ptr,
+                                            _cublas.WORKSPACE_BYTES)
+                except (_cublas.CublasError, AttributeError) as e:   # missing library / entry point
+                    import logging
+
+                    logging.getLogger("metrale.gemm").warning("cuBLASLt unavailable, plain cublasGemmEx: %s", e)
+            self._cublas = blas
         return self._cublas
 
     _GEMM_TYPES = {BF16: _cublas.CUDA_R_16BF, F32: _cublas.CUDA_R_32F, np.dtype(np.float16): _cublas.CUDA_R_16F}
