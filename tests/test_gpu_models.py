@@ -21,10 +21,17 @@ GPU_SHAPES = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=64)
 GDN_SHAPES = dict(linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2,
                   linear_num_value_heads=4)
-ARCHS = ["qwen3_5", "qwen3_5_moe", "qwen3", "llama"]
+ARCHS = ["qwen3_5", "qwen3_5_moe", "qwen3", "llama", "llama_smollm2"]
+# SmolLM2-135M's attention and MLP shapes (9 query heads over 3 KV heads of 64, hidden 576,
+# rope theta 1e5, tied embeddings), fewer layers
+SMOLLM2_SHAPES = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                      num_key_value_heads=3, head_dim=64, rope_parameters={"rope_theta": 100000.0, "rope_type": "default"}, rms_norm_eps=1e-5,
+                      tie_word_embeddings=True, num_hidden_layers=4)
 
 
 def _make(arch, path):
+    if arch == "llama_smollm2":
+        return make_tiny("llama", path, dtype="bfloat16", **SMOLLM2_SHAPES)
     extra = dict(GPU_SHAPES)
     if arch.startswith("qwen3_5"):
         extra.update(GDN_SHAPES)

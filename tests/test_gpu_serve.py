@@ -1,7 +1,16 @@
 """The real default model (SmolLM2-135M-Instruct, GGUF Q4_1) served by `met serve --device cuda`
 on the GPU: it answers the Paris question, streamed equals non-streamed, concurrent greedy
 requests all answer it, and the GPU's greedy completion starts like the CPU backend's (fp32, the
-spec) on the same weights. Plain httpx (the GPU image has no openai SDK)."""
+spec) on the same weights. Plain httpx (the GPU image has no openai SDK).
+
+Precision note, measured: for "What is the capital of France?" the fp32 model's first answer
+token is a near-tie ("The" 25.325 vs "L" 25.243 logits, a 0.08 gap, 0.3 % of the logit scale).
+Any bf16 engine may flip it: HF transformers in bf16 moves that position's logits by 2.9e-2 of
+the max logit, ours (H200) by 1.3e-2, and ours picks "L'Étoile, ...". So the served question is
+phrased "Name the capital of France." (smallest top-1/top-2 gap over the first 8 answer tokens in
+fp32: 1.02), and the original phrasing is checked with the near-tie rule of test_gpu_models.py:
+GPU and CPU agree token for token until a position where the CPU's own top-2 gap is within bf16's
+error there."""
 from __future__ import annotations
 
 import json
@@ -16,7 +25,9 @@ from tests.serving import Server
 pytestmark = pytest.mark.gpu
 
 MODEL = "SmolLM2-135M-Instruct"
-CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+CHAT = [{"role": "user", "content": "Name the capital of France."}]
+NEAR_TIE = [{"role": "user", "content": "What is the capital of France?"}]
+BF16_LOGIT_ERR = 0.4   # max |logit error| of bf16 at these positions: 1.3e-2 x ~25 (measured), rounded up
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +89,27 @@ def test_gpu_completion_starts_like_the_cpu_backend(server):
         [prompt], SamplingParams(temperature=0, max_tokens=4))[0].text
     print("GPU:", repr(gpu), "CPU:", repr(cpu))
     assert gpu.startswith(" Paris") and cpu.startswith(" Paris")
+
+
+def test_gpu_near_tie_question_agrees_with_cpu_until_a_near_tie():
+    from metrale.llm import LLM
+    from metrale.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=2)
+    outs = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(str(smollm2_gguf_path()), device=device, max_seq_len=256)
+        outs[device] = llm.chat(NEAR_TIE, params)[0]
+        del llm
+    cpu, gpu = outs["cpu"], outs["cuda"]
+    print("CPU:", repr(cpu.text), "GPU:", repr(gpu.text))
+    assert "Paris" in cpu.text
+    diverge = next((i for i, (a, b) in enumerate(zip(cpu.token_ids, gpu.token_ids)) if a != b), None)
+    if diverge is None:
+        return
+    top = cpu.logprobs[diverge].top_logprobs
+    gap = top[0][1] - top[1][1]
+    print(f"diverges at answer token {diverge}: CPU (fp32) top-1/top-2 gap {gap:.3f}, "
+          f"GPU took the CPU's #{[t for t, _ in top].index(gpu.token_ids[diverge]) + 1 if gpu.token_ids[diverge] in [t for t, _ in top] else '>2'}")
+    assert gap <= BF16_LOGIT_ERR
+    assert gpu.token_ids[diverge] == top[1][0]   # the runner-up, not some other token
