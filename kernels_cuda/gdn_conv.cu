@@ -19,8 +19,10 @@
 // also writes the new one (from x and the old state it holds), so there is no race.
 // Bytes: T*C*2*2 (x, out) + touched state rows*C*(K-1)*2*2 + C*K*4; FLOPs 2*K*T*C.
 //
-// gated_rms_norm_<T>(x, z, w, out, rows, D, eps): out = x * rsqrt(mean(x^2) + eps) * w * silu(z),
-//   x, z, out T [rows, D] contiguous, w f32 [D]. One warp per row. Bytes rows*D*2*3.
+// gated_rms_norm_<T>(x, z, zs, zh, w, out, rows, D, eps): out = x * rsqrt(mean(x^2) + eps) * w * silu(z),
+//   x, out T [rows, D] contiguous; z T: row r = (token r / zh, head r % zh) at
+//   z + (r / zh) * zs + (r % zh) * D (a column slice of the input projection, read in place);
+//   w f32 [D]. One warp per row. Bytes rows*D*2*3.
 #include "common.cuh"
 
 namespace {
@@ -85,13 +87,14 @@ __device__ __forceinline__ void gdn_conv(const T* __restrict__ x, long long sx,
 
 template <typename T>
 __device__ __forceinline__ void gated_rms_norm(const T* __restrict__ x, const T* __restrict__ z,
+                                               long long zs, int zh,
                                                const float* __restrict__ w, T* __restrict__ out,
                                                int rows, int D, float eps) {
     const int row = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= rows) return;
     const T* xr = x + (long long)row * D;
-    const T* zr = z + (long long)row * D;
+    const T* zr = z + (long long)(row / zh) * zs + (long long)(row % zh) * D;
     T* orow = out + (long long)row * D;
     float ss = 0.f;
     for (int d = lane; d < D; d += 32) {
@@ -117,8 +120,9 @@ CONV_INST(float, float, f32_f32)
 
 #define GRN_INST(T, SUF)                                                                       \
     extern "C" __global__ void __launch_bounds__(256) gated_rms_norm_##SUF(                    \
-        const T* x, const T* z, const float* w, T* out, int rows, int D, float eps) {          \
-        gated_rms_norm<T>(x, z, w, out, rows, D, eps);                                         \
+        const T* x, const T* z, long long zs, int zh, const float* w, T* out, int rows, int D, \
+        float eps) {                                                                           \
+        gated_rms_norm<T>(x, z, zs, zh, w, out, rows, D, eps);                                 \
     }
 GRN_INST(__nv_bfloat16, bf16)
 GRN_INST(float, f32)

@@ -137,6 +137,14 @@ def test_gated_rms_norm(cuda_ops, cpu, dt, D):
     out = ops.gated_rms_norm(ops.asarray(x), ops.asarray(z), ops.asarray(w), 1e-6)
     assert out.shape == x.shape
     assert _rel(ops.to_numpy(out), ref) < (1e-2 if dt == "bf16" else 1e-5)
+    # z as the model passes it: a column slice of a wider projection, [T, H, D] with a token
+    # stride of its own (read in place) -- the same result
+    wide = np.concatenate([_round(ops, rng.standard_normal((77, 3))), z.reshape(77, 5 * D),
+                           _round(ops, rng.standard_normal((77, 7)))], axis=1)
+    z_view = ops.asarray(wide)[:, 3: 3 + 5 * D].reshape(77, 5, D)
+    assert z_view.strides[0] != 5 * D * z_view.itemsize
+    out2 = ops.gated_rms_norm(ops.asarray(x), z_view, ops.asarray(w), 1e-6)
+    np.testing.assert_array_equal(ops.to_numpy(out2), ops.to_numpy(out))
 
 
 # -- gated delta rule -------------------------------------------------------------------------

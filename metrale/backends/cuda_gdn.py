@@ -124,7 +124,10 @@ def causal_conv1d(ops, x, weight, conv_state, batch):
     if T == 0 or B == 0:
         return out
     x, sx = _token_stride(x, (C,))
-    w = _f32(weight.reshape(C, K))
+    # the cache is keyed by the weight array itself: a reshaped view is a new object every call,
+    # which missed the cache (a captured bf16 -> fp32 copy per GDN layer per step) and kept
+    # every miss alive in the cache
+    w = _f32(weight).reshape(C, K)
     sfx = f"{_sfx(x)}_{_sfx(conv_state)}"
     if sfx == "f32_bf16":
         raise ValueError("causal_conv1d: fp32 activations with a bf16 conv state are not built")
@@ -221,14 +224,23 @@ def gated_rms_norm(ops, x, z, w, eps):
     """rms_norm(x) * w * silu(z) over the last dim (w not zero-centred)."""
     D = x.shape[-1]
     x = cp.ascontiguousarray(x)
-    z = cp.ascontiguousarray(z if z.dtype == x.dtype else z.astype(x.dtype))
+    if z.dtype != x.dtype:
+        z = z.astype(x.dtype)
     out = _empty(ops, x.shape, x.dtype)
     rows = x.size // D if D else 0
     if rows == 0:
         return out
+    isz = z.dtype.itemsize
+    if (z.ndim == 3 and z.shape == x.shape and z.strides[2] == isz and z.strides[1] == D * isz
+            and z.strides[0] % isz == 0 and z.shape[0] > 0):
+        # [T, H, D] with only the token stride free (z is a column slice of the GDN input
+        # projection): read in place instead of copying it out each step
+        zs, zh = z.strides[0] // isz, z.shape[1]
+    else:
+        z, zs, zh = cp.ascontiguousarray(z), D, 1
     _kernel(ops, "gdn_conv.cu", f"gated_rms_norm_{_sfx(x)}")(
-        ((rows + 7) // 8,), (256,), (x, z, _f32(w), out, np.int32(rows), np.int32(D),
-                                     np.float32(eps)))
+        ((rows + 7) // 8,), (256,), (x, z, np.int64(zs), np.int32(zh), _f32(w), out, np.int32(rows),
+                                     np.int32(D), np.float32(eps)))
     return out
 
 
