@@ -236,11 +236,11 @@ class EngineServer:
                 if live.first_token_at is None:
                     live.first_token_at = now
                     self.metrics.first_token(now - live.arrival)
-                self.metrics.generated(len(out.new_token_ids))
             by_frontend.setdefault(live.frontend_id, []).append(_delta(out))
             if out.finished:
                 self._finished(out, live, now, reason)
         if counts:
+            self.metrics.generated(sum(counts.values()))    # one counter update per step
             self.emit("TokensEmitted", counts=counts)
         for frontend_id, deltas in by_frontend.items():
             self._send(frontend_id, deltas)
