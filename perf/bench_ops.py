@@ -53,6 +53,8 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def commit() -> str:
+    if os.environ.get("GIT_COMMIT"):      # the device's copy of the tree has no (or a stale) .git
+        return os.environ["GIT_COMMIT"][:7]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                               text=True, check=True).stdout.strip()
