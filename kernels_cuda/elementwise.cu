@@ -18,6 +18,11 @@
 //                  may alias x). Optional head RMSNorm (w T[D] or null) then optional NeoX
 //                  rotate-half rotary on the first `rot` dims (positions int32 [T] or null,
 //                  inv_freq fp32 [rot/2]). One warp per head vector, fp32 inside, D <= 512.
+// qk_norm_rope_kv  the attention prologue in one launch: q T[T, Hq, D], k, v T[T, Hk, D]
+//                  (strided views, last dim contiguous) -> q_out T[T, Hq, D] contiguous (head
+//                  norm qw T[D] or null, rotary), k_cache row slot_mapping[t] = norm (kw) +
+//                  rotary of k, v_cache row = v (negative slot: skipped). One warp per (token,
+//                  head) of the Hq + Hk heads; the same math as head_norm_rope + write_kv.
 // silu_mul         x T[R, 2I] ([gate | up], row stride xs) -> y T[R, I]: silu(gate) * up.
 // sigmoid_mul      x, gate T[A, B, C] (strides (xa, xb), (ga, gb, gc); gc = 0 broadcasts one gate
 //                  per row, e.g. a shared-expert gate [T, 1]) -> y T[A, B, C] contiguous:
@@ -87,16 +92,23 @@ __device__ void rms_norm_vec_impl(const T* __restrict__ x, long long xs, const T
             }
         }
     }
+    // the weights are loaded before the reduction so their latency overlaps it
+    const uint4* wv = reinterpret_cast<const uint4*>(w);
+    uint4 wreg[MAXV];
+#pragma unroll
+    for (int k = 0; k < MAXV; ++k) {
+        const int i = threadIdx.x + k * blockDim.x;
+        wreg[k] = i < nvec ? wv[i] : make_uint4(0, 0, 0, 0);
+    }
     ss = mt::block_sum(ss, scratch);
     const float inv = rsqrtf(ss / (float)H + eps);
-    const uint4* wv = reinterpret_cast<const uint4*>(w);
     uint4* o = reinterpret_cast<uint4*>(out + row * H);
 #pragma unroll
     for (int k = 0; k < MAXV; ++k) {
         const int i = threadIdx.x + k * blockDim.x;
         if (i < nvec) {
             Vec16<T> wk, y;
-            wk.u = wv[i];
+            wk.u = wreg[k];
 #pragma unroll
             for (int e = 0; e < N; ++e) y.v[e] = from_f<T>(vals[k][e] * inv * (offset + to_f(wk.v[e])));
             o[i] = y.u;
@@ -132,6 +144,43 @@ __device__ void rms_norm_scalar_impl(const T* __restrict__ x, long long xs, cons
 }
 
 // ---------------------------------------------------------------------------------------------
+// One head vector, one warp: optional RMSNorm (w non-null) then optional rotary (has_pos).
+// Shared by head_norm_rope and qk_norm_rope_kv so the fused op is bit-identical to the unfused
+// ops. buf: this warp's D floats of shared memory. yp may alias xp.
+template <typename T>
+__device__ __forceinline__ void norm_rope_head(const T* xp, T* yp, float* buf, int lane, int D,
+                                               const T* __restrict__ w, float eps, float offset,
+                                               bool has_pos, float pos, const float* __restrict__ inv_freq,
+                                               int rot) {
+    float ss = 0.f;
+    for (int i = lane; i < D; i += 32) {
+        const float v = to_f(xp[i]);
+        buf[i] = v;
+        ss += v * v;
+    }
+    if (w) {
+        ss = mt::warp_sum(ss);
+        const float inv = rsqrtf(ss / (float)D + eps);
+        for (int i = lane; i < D; i += 32) {
+            float v = buf[i] * inv * (offset + to_f(w[i]));
+            if (has_pos) v = to_f(from_f<T>(v));  // HF rounds the normed head before rotary
+            buf[i] = v;
+        }
+    }
+    __syncwarp();
+    const int half = rot >> 1;
+    for (int i = lane; i < D; i += 32) {
+        float v = buf[i];
+        if (has_pos && i < rot) {
+            const int j = i < half ? i : i - half;
+            float s, c;
+            sincosf(pos * inv_freq[j], &s, &c);
+            v = i < half ? buf[i] * c - buf[i + half] * s : buf[i] * c + buf[j] * s;
+        }
+        yp[i] = from_f<T>(v);
+    }
+}
+
 template <typename T>
 __device__ void head_norm_rope_impl(const T* x, long long xs_t, long long xs_h, T* y, long long ys_t,
                                     long long ys_h, int ntok, int nheads, int D,
@@ -144,37 +193,45 @@ __device__ void head_norm_rope_impl(const T* x, long long xs_t, long long xs_h, 
     if (item >= (long long)ntok * nheads) return;  // whole warp leaves together
     const long long t = item / nheads;
     const int h = (int)(item % nheads);
-    float* buf = hbuf + warp * D;
-    const T* xp = x + t * xs_t + h * xs_h;
-    T* yp = y + t * ys_t + h * ys_h;
-    float ss = 0.f;
-    for (int i = lane; i < D; i += 32) {
-        const float v = to_f(xp[i]);
-        buf[i] = v;
-        ss += v * v;
-    }
-    if (w) {
-        ss = mt::warp_sum(ss);
-        const float inv = rsqrtf(ss / (float)D + eps);
-        for (int i = lane; i < D; i += 32) {
-            float v = buf[i] * inv * (offset + to_f(w[i]));
-            if (positions) v = to_f(from_f<T>(v));  // HF rounds the normed head before rotary
-            buf[i] = v;
-        }
-    }
-    __syncwarp();
-    const int half = rot >> 1;
     const float pos = positions ? (float)positions[t] : 0.f;
-    for (int i = lane; i < D; i += 32) {
-        float v = buf[i];
-        if (positions && i < rot) {
-            const int j = i < half ? i : i - half;
-            float s, c;
-            sincosf(pos * inv_freq[j], &s, &c);
-            v = i < half ? buf[i] * c - buf[i + half] * s : buf[i] * c + buf[j] * s;
-        }
-        yp[i] = from_f<T>(v);
+    norm_rope_head<T>(x + t * xs_t + h * xs_h, y + t * ys_t + h * ys_h, hbuf + warp * D, lane, D, w, eps,
+                      offset, positions != nullptr, pos, inv_freq, rot);
+}
+
+// The attention prologue in one launch: one warp per (token, head) of the Hq + Hk heads. q head:
+// norm (qw) + rotary -> q_out [T, Hq, D] contiguous. k head: norm (kw) + rotary -> k_cache row
+// slot_mapping[t], and v head h copied raw to v_cache (skipped for a negative slot).
+template <typename T>
+__device__ void qk_norm_rope_kv_impl(const T* __restrict__ q, long long qs_t, long long qs_h,
+                                     const T* __restrict__ k, long long ks_t, long long ks_h,
+                                     const T* __restrict__ v, long long vs_t, long long vs_h,
+                                     T* __restrict__ q_out, T* __restrict__ k_cache, T* __restrict__ v_cache,
+                                     const int* __restrict__ slot_mapping, int ntok, int Hq, int Hk, int D,
+                                     const T* __restrict__ qw, const T* __restrict__ kw, float eps,
+                                     float offset, const int* __restrict__ positions,
+                                     const float* __restrict__ inv_freq, int rot) {
+    extern __shared__ float hbuf[];  // [warps][D]
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int nh = Hq + Hk;
+    const long long item = (long long)blockIdx.x * (blockDim.x >> 5) + warp;
+    if (item >= (long long)ntok * nh) return;  // whole warp leaves together
+    const long long t = item / nh;
+    const int h = (int)(item % nh);
+    float* buf = hbuf + warp * D;
+    const float pos = positions ? (float)positions[t] : 0.f;
+    if (h < Hq) {
+        norm_rope_head<T>(q + t * qs_t + h * qs_h, q_out + (t * Hq + h) * D, buf, lane, D, qw, eps, offset,
+                          positions != nullptr, pos, inv_freq, rot);
+        return;
     }
+    const int hk = h - Hq;
+    const long long slot = slot_mapping[t];
+    if (slot < 0) return;  // padding token
+    const long long dst = (slot * Hk + hk) * D;
+    norm_rope_head<T>(k + t * ks_t + hk * ks_h, k_cache + dst, buf, lane, D, kw, eps, offset,
+                      positions != nullptr, pos, inv_freq, rot);
+    const T* vp = v + t * vs_t + hk * vs_h;
+    for (int i = lane; i < D; i += 32) v_cache[dst + i] = vp[i];
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -292,6 +349,15 @@ __device__ void bias_add_impl(T* __restrict__ y, const T* __restrict__ b, long l
         const float* inv_freq, int rot) {                                                              \
         head_norm_rope_impl<T>(x, xs_t, xs_h, y, ys_t, ys_h, ntok, nheads, D, w, eps, offset,          \
                                positions, inv_freq, rot);                                              \
+    }                                                                                                  \
+    extern "C" __global__ void qk_norm_rope_kv_##SUF(                                                 \
+        const T* q, long long qs_t, long long qs_h, const T* k, long long ks_t, long long ks_h,        \
+        const T* v, long long vs_t, long long vs_h, T* q_out, T* k_cache, T* v_cache,                  \
+        const int* slot_mapping, int ntok, int Hq, int Hk, int D, const T* qw, const T* kw, float eps, \
+        float offset, const int* positions, const float* inv_freq, int rot) {                          \
+        qk_norm_rope_kv_impl<T>(q, qs_t, qs_h, k, ks_t, ks_h, v, vs_t, vs_h, q_out, k_cache, v_cache,  \
+                                slot_mapping, ntok, Hq, Hk, D, qw, kw, eps, offset, positions,         \
+                                inv_freq, rot);                                                        \
     }                                                                                                  \
     extern "C" __global__ void silu_mul_##SUF(const T* x, long long xs, T* y, long long rows, int I,   \
                                               int vec) {                                               \

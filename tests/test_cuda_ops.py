@@ -5,6 +5,8 @@ write fails the test. bf16 paths: ||out - ref|| / ||ref|| <= 1e-2; fp32 paths: 1
 Runs on the H200 through perf/gpu_run.sh (marked gpu: skipped without a GPU)."""
 from __future__ import annotations
 
+import dataclasses
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -409,3 +411,200 @@ def test_decode_step_captures_in_a_cuda_graph(request, impl):
         stream.synchronize()
     check(got, expect, BF16, "graph replay vs eager")
     assert np.array_equal(f32(got), f32(expect)), "graph replay must be bit-identical to the eager ops"
+
+
+# -- fused attention prologue (qk_norm_rope_write_kv) -------------------------------------------
+PROLOGUE_CASES = {
+    # name: (hq, hk, d, qk_norm, offset, rotary_dim, gated)
+    "llama": (9, 3, 64, False, 0.0, 64, False),
+    "qwen3": (8, 2, 128, True, 0.0, 128, False),
+    "qwen3_5": (6, 1, 256, True, 1.0, 64, True),
+}
+
+
+def _prologue_inputs(rng, case, ntok, dtype):
+    hq, hk, d, qk_norm, offset, rot, gated = PROLOGUE_CASES[case]
+    bs = 16
+    ctx = [int(c) for c in rng.integers(0, 40, 3)]
+    q_lens = [ntok // 3, ntok // 3, ntok - 2 * (ntok // 3)]
+    keep = [i for i, n in enumerate(q_lens) if n > 0]
+    batch, nb = paged_batch(rng, [ctx[i] for i in keep], [q_lens[i] for i in keep], bs)
+    if ntok > 2:
+        batch.slot_mapping[1] = -1                   # padding tokens: skipped
+        batch.slot_mapping[ntok - 1] = -1
+    q_end = hq * d * (2 if gated else 1)
+    qkv = rnd(rng, (ntok, q_end + 2 * hk * d), dtype)  # [q | gate | k | v] as Attention lays it out
+    w = (rnd(rng, (d,), dtype, 0.3), rnd(rng, (d,), dtype, 0.3)) if qk_norm else (None, None)
+    inv_freq = (1.0 / 1e6 ** (np.arange(0, rot, 2, dtype=np.float64) / rot)).astype(np.float32)
+    return batch, nb, bs, qkv, w, inv_freq, (hq, hk, d, offset, rot, q_end)
+
+
+def _split_qkv(qkv, t, hq, hk, d, q_end):
+    return (qkv[:, : hq * d].reshape(t, hq, d), qkv[:, q_end: q_end + hk * d].reshape(t, hk, d),
+            qkv[:, q_end + hk * d:].reshape(t, hk, d))
+
+
+@pytest.mark.parametrize("case", list(PROLOGUE_CASES))
+@pytest.mark.parametrize("ntok", [1, 7, 33, 300])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope_write_kv(ops, cpu, case, ntok, dtype):
+    """The fused prologue vs the unfused CUDA ops (bit-identical q and caches) and vs the CPU."""
+    rng = np.random.default_rng(50 + ntok)
+    batch, nb, bs, qkv, (qw, kw), inv_freq, (hq, hk, d, offset, rot, q_end) = _prologue_inputs(rng, case, ntok, dtype)
+    dev = ops.upload_batch(batch)
+    dqkv = ops.asarray(qkv, dtype)
+    dqw = None if qw is None else ops.asarray(qw, dtype)
+    dkw = None if kw is None else ops.asarray(kw, dtype)
+    dinv = ops.asarray(inv_freq, np.float32)
+    nan = np.full((nb, bs, hk, d), np.nan, np.float32)
+    caches = {}
+    for mode in ("fused", "composed"):
+        kc, vc = ops.asarray(nan, dtype), ops.asarray(nan, dtype)
+        q, k, v = _split_qkv(dqkv, ntok, hq, hk, d, q_end)
+        if mode == "fused":
+            qo = ops.qk_norm_rope_write_kv(q, k, v, dqw, dkw, 1e-6, offset, dev.positions, dinv, rot, kc, vc, dev)
+        else:
+            from metrale.backends.base import compose_qk_norm_rope_write_kv
+
+            qo = compose_qk_norm_rope_write_kv(ops, q, k, v, dqw, dkw, 1e-6, offset, dev.positions, dinv, rot,
+                                               kc, vc, dev)
+        caches[mode] = (ops.to_numpy(qo), ops.to_numpy(kc), ops.to_numpy(vc))
+    for name, a, b in zip(("q", "k_cache", "v_cache"), caches["fused"], caches["composed"]):
+        assert a.shape == b.shape and a.tobytes() == b.tobytes(), f"fused {name} differs from the unfused ops"
+    # vs the CPU spec (storage dtype rounding as the GPU's). Its write_kv indexes with the slot as
+    # is (-1 = the last row), so padding tokens go to an extra row past the pool there.
+    ref = CpuOps(dtype)
+    kc_r = np.full((nb * bs + 1, hk, d), np.nan, np.float32).astype(dtype)
+    vc_r = kc_r.copy()
+    cpu_batch = dataclasses.replace(batch, slot_mapping=np.where(batch.slot_mapping < 0, nb * bs,
+                                                                 batch.slot_mapping).astype(np.int32))
+    q, k, v = _split_qkv(qkv, ntok, hq, hk, d, q_end)
+    q_r = ref.qk_norm_rope_write_kv(q, k, v, qw, kw, 1e-6, offset, batch.positions, inv_freq, rot, kc_r, vc_r,
+                                    cpu_batch)
+    q_f, kc_f, vc_f = caches["fused"]
+    check(q_f, q_r, dtype, f"{case} q")
+    valid = batch.slot_mapping >= 0
+    s = batch.slot_mapping[valid]
+    check(f32(kc_f).reshape(-1, hk, d)[s], f32(kc_r).reshape(-1, hk, d)[s], dtype, f"{case} k_cache")
+    check(f32(vc_f).reshape(-1, hk, d)[s], f32(vc_r).reshape(-1, hk, d)[s], dtype, f"{case} v_cache")
+    untouched = np.setdiff1d(np.arange(nb * bs), s)
+    assert np.isnan(f32(kc_f).reshape(-1, hk, d)[untouched]).all(), "wrote a padding token's k"
+    assert np.isnan(f32(vc_f).reshape(-1, hk, d)[untouched]).all(), "wrote a padding token's v"
+
+
+def test_qk_norm_rope_write_kv_fallback(ops, cpu):
+    """A case the kernel does not take (norm weight in another dtype than q, caches of another
+    dtype -> composed path raises like write_kv)."""
+    rng = np.random.default_rng(60)
+    batch, nb, bs, qkv, (qw, kw), inv_freq, (hq, hk, d, offset, rot, q_end) = _prologue_inputs(rng, "qwen3", 7, BF16)
+    dev = ops.upload_batch(batch)
+    q, k, v = _split_qkv(ops.asarray(qkv), 7, hq, hk, d, q_end)
+    kc = ops.asarray(np.zeros((nb, bs, hk, d), np.float32), np.float32)
+    vc = ops.asarray(np.zeros((nb, bs, hk, d), np.float32), np.float32)
+    with pytest.raises(TypeError):
+        ops.qk_norm_rope_write_kv(q, k, v, ops.asarray(qw), ops.asarray(kw), 1e-6, 0.0, dev.positions,
+                                  ops.asarray(inv_freq, np.float32), rot, kc, vc, dev)
+
+
+# -- decode attention: one partition per sequence / in-kernel split-KV reduce -------------------
+@pytest.mark.parametrize("d,hq,hk", [(64, 9, 3), (128, 16, 4), (256, 24, 4)])
+@pytest.mark.parametrize("width", [1, 4, 64])
+def test_decode_attention_short_contexts(ops, simt_ops, cpu, d, hq, hk, width):
+    """Short contexts in a wide or narrow block table: one partition for the whole batch
+    (nparts == 1), or many partitions of which each sequence fills only the first few (the
+    in-kernel reduce of a single live partition, and of several)."""
+    rng = np.random.default_rng(70 + d + width)
+    bs = 16
+    ctx = [0, 1, 5, 14, 15] if width == 1 else [0, 3, 15, 31, 40, 63]
+    batch, nb = paged_batch(rng, ctx, [1] * len(ctx), bs, spare_blocks=0)
+    m = batch.block_tables.shape[1]
+    if width > m:                                   # widen the table (as a decode graph's is)
+        extra = np.zeros((batch.num_seqs, width - m), np.int32)
+        batch.block_tables = np.concatenate([batch.block_tables, extra], axis=1)
+    k = np.full((nb * bs, hk, d), np.nan, np.float32)
+    v = np.full((nb * bs, hk, d), np.nan, np.float32)
+    for i in range(batch.num_seqs):
+        s = seq_slots(batch, i)
+        k[s] = f32(rnd(rng, (len(s), hk, d), BF16))
+        v[s] = f32(rnd(rng, (len(s), hk, d), BF16))
+    k, v = k.reshape(nb, bs, hk, d), v.reshape(nb, bs, hk, d)
+    q = f32(rnd(rng, (batch.num_tokens, hq, d), BF16))
+    ref = cpu.attention(q, k, v, batch, d ** -0.5)
+    for o in (ops, simt_ops):
+        for part in (None, 16, 64):
+            old = o.part_tokens
+            o.part_tokens = part
+            try:
+                out = o.attention(o.asarray(q), o.asarray(k), o.asarray(v), o.upload_batch(batch), d ** -0.5)
+                out2 = o.attention(o.asarray(q), o.asarray(k), o.asarray(v), o.upload_batch(batch), d ** -0.5)
+            finally:
+                o.part_tokens = old
+            check(ops.to_numpy(out), ref, BF16, f"decode short ctx={ctx} width={width} part={part}")
+            # the counters were reset by the first launch: a second one gives the same bits
+            assert ops.to_numpy(out).tobytes() == ops.to_numpy(out2).tobytes()
+    assert not ops._attn_counters.any().get(), "split-KV counters not reset to 0"
+
+
+@pytest.mark.parametrize("part_tokens", [None, 32, 4096])
+def test_decode_short_contexts_in_a_cuda_graph(ops, cpu, part_tokens):
+    """Decode attention (fused prologue + attention) captured with a wide block table while the
+    sequences are short (1 or few live partitions each), replayed as they grow: equal to the
+    eager ops bit for bit and to the CPU within bf16 tolerance."""
+    import cupy
+
+    rng = np.random.default_rng(80)
+    b, hq, hk, d, bs, width = 4, 9, 3, 64, 16, 64
+    ctx = [0, 2, 17, 40]
+    nb = b * width + 1
+    tables = [[1 + i * width + j for j in range(width)] for i in range(b)]
+    inv_freq = (1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32)
+    dinv = ops.asarray(inv_freq, np.float32)
+    kc_h = rnd(rng, (nb, bs, hk, d), BF16)
+    vc_h = rnd(rng, (nb, bs, hk, d), BF16)
+    kc, vc = ops.asarray(kc_h), ops.asarray(vc_h)
+    qkv_buf = ops.asarray(rnd(rng, (b, (hq + 2 * hk) * d), BF16))
+
+    def host_batch(ctx):
+        return contiguous_batch([[1]] * b, ctx, tables, list(range(b)), bs)
+
+    dev = ops.upload_batch(host_batch(ctx))
+
+    def step():
+        q, k, v = _split_qkv(qkv_buf, b, hq, hk, d, hq * d)
+        q = ops.qk_norm_rope_write_kv(q, k, v, None, None, 1e-6, 0.0, dev.positions, dinv, d, kc, vc, dev)
+        return ops.attention(q, kc, vc, dev, d ** -0.5)
+
+    old = ops.part_tokens
+    ops.part_tokens = part_tokens
+    try:
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            for _ in range(2):
+                step()
+            stream.synchronize()
+            stream.begin_capture()
+            out_graph = step()
+            graph = stream.end_capture()
+            for grow in (1, 2, 30):
+                ctx2 = [c + grow for c in ctx]
+                hb = host_batch(ctx2)
+                for f in ("positions", "seq_lens", "slot_mapping", "query_start_loc"):
+                    getattr(dev, f).set(np.ascontiguousarray(getattr(hb, f), np.int32), stream=stream)
+                qkv_new = rnd(rng, (b, (hq + 2 * hk) * d), BF16)
+                qkv_buf.set(qkv_new, stream=stream)
+                graph.launch(stream)
+                stream.synchronize()
+                got = ops.to_numpy(out_graph).copy()
+                kc_after, vc_after = ops.to_numpy(kc).copy(), ops.to_numpy(vc).copy()
+                expect = ops.to_numpy(step())
+                stream.synchronize()
+                assert got.tobytes() == expect.tobytes(), f"graph replay != eager (grow {grow})"
+                # CPU reference over the caches as the graph left them
+                qh, kh, vh = _split_qkv(f32(qkv_new), b, hq, hk, d, hq * d)
+                cpu_kc, cpu_vc = f32(kc_after), f32(vc_after)
+                q_r = cpu.qk_norm_rope_write_kv(qh, kh, vh, None, None, 1e-6, 0.0, hb.positions, inv_freq, d,
+                                                cpu_kc, cpu_vc, hb)
+                check(got, cpu.attention(q_r, cpu_kc, cpu_vc, hb, d ** -0.5), BF16, f"graph vs cpu (grow {grow})")
+    finally:
+        ops.part_tokens = old
+    assert not ops._attn_counters.any().get(), "split-KV counters not reset to 0"

@@ -71,6 +71,18 @@ class Ops(Protocol):
     def write_kv(self, k: Array, v: Array, k_cache: Array, v_cache: Array, batch: ForwardBatch):
         """k_cache.reshape(-1, Hk, D)[batch.slot_mapping] = k (same for v)."""
 
+    def qk_norm_rope_write_kv(self, q: Array, k: Array, v: Array, q_norm_w: Array | None,
+                              k_norm_w: Array | None, eps: float, offset: float, positions: Array,
+                              inv_freq: Array, rotary_dim: int, k_cache: Array, v_cache: Array,
+                              batch: ForwardBatch) -> Array:
+        """The attention prologue: head_rms_norm of q and k (each only when its weight is given;
+        None = no norm, as Llama), rope on the first `rotary_dim` dims, write_kv of the roped k
+        and the raw v at batch.slot_mapping (negative slot = skipped). q [T, Hq, D], k, v
+        [T, Hk, D] may be strided views of one projection; returns the new q [T, Hq, D].
+        Backends without a fused kernel use `compose_qk_norm_rope_write_kv` (the definition)."""
+        return compose_qk_norm_rope_write_kv(self, q, k, v, q_norm_w, k_norm_w, eps, offset, positions,
+                                             inv_freq, rotary_dim, k_cache, v_cache, batch)
+
     def attention(self, q: Array, k_cache: Array, v_cache: Array, batch: ForwardBatch,
                   scale: float) -> Array:
         """Causal GQA attention of each new token over its sequence's paged KV (the context
@@ -102,3 +114,16 @@ class Ops(Protocol):
             renormalize: bool) -> Array:
         """softmax router over experts, top-k (renormalised), sum of weighted expert MLPs:
         router_w [E, H], gate_up [E, 2I, H] ([gate | up]), down [E, H, I]; x [T, H] -> [T, H]."""
+
+
+def compose_qk_norm_rope_write_kv(ops, q, k, v, q_norm_w, k_norm_w, eps, offset, positions, inv_freq,
+                                  rotary_dim, k_cache, v_cache, batch):
+    """Ops.qk_norm_rope_write_kv from the unfused ops (head_rms_norm, rope, write_kv): the
+    reference semantics, and the fallback of backends without (or outside) a fused kernel."""
+    if q_norm_w is not None:
+        q = ops.head_rms_norm(q, q_norm_w, eps, offset)
+    if k_norm_w is not None:
+        k = ops.head_rms_norm(k, k_norm_w, eps, offset)
+    q, k = ops.rope(q, k, positions, inv_freq, rotary_dim)
+    ops.write_kv(k, v, k_cache, v_cache, batch)
+    return q

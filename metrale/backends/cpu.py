@@ -10,6 +10,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from metrale.backends.base import compose_qk_norm_rope_write_kv
 from metrale.forward import ForwardBatch
 
 F32 = np.float32
@@ -214,8 +215,16 @@ class CpuOps:
     def write_kv(self, k, v, k_cache, v_cache, batch):
         slots = np.asarray(batch.slot_mapping, dtype=np.int64)
         hk, d = k_cache.shape[-2:]
+        keep = slots >= 0        # a negative slot (padding) writes nothing, as on CUDA
+        if not keep.all():
+            slots, k, v = slots[keep], np.asarray(k)[keep], np.asarray(v)[keep]
         k_cache.reshape(-1, hk, d)[slots] = k
         v_cache.reshape(-1, hk, d)[slots] = v
+
+    def qk_norm_rope_write_kv(self, q, k, v, q_norm_w, k_norm_w, eps, offset, positions, inv_freq,
+                              rotary_dim, k_cache, v_cache, batch):
+        return compose_qk_norm_rope_write_kv(self, q, k, v, q_norm_w, k_norm_w, eps, offset, positions,
+                                             inv_freq, rotary_dim, k_cache, v_cache, batch)
 
     def attention(self, q, k_cache, v_cache, batch, scale):
         out = np.empty(q.shape, dtype=F32)

@@ -28,6 +28,7 @@ import numpy as np
 
 from metrale import levers
 from metrale.backends import cublas as _cublas
+from metrale.backends.base import compose_qk_norm_rope_write_kv
 from metrale.forward import ForwardBatch
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -190,6 +191,12 @@ class CudaOps:
         self._smem_set: set = set()
         self._staging: list = []            # pinned upload buffers, with their copy-done events
         self._staging_next = 0
+        # decode_mma's in-kernel split-KV reduce: one int32 counter per (sequence, kv head, head
+        # chunk), 0 between launches (the last CTA resets its own). Allocated here, before any
+        # graph capture; a batch needing more falls back to the decode_reduce launch. One
+        # buffer per CudaOps: its decode attention must not run on two streams at once.
+        self._attn_counters = cupy.zeros(1 << 16, dtype=np.int32)
+        self.fused_decode_reduce = True     # False: the decode_reduce launch, as before
 
     # -- kernel access (also used by metrale.backends.cuda_gdn) -------------------------------
     def module(self, name: str):
@@ -521,6 +528,48 @@ class CudaOps:
                  np.int64(_estride(v, 1)), _ptr(k_cache), _ptr(v_cache), _ptr(slots), np.int64(t), np.int32(hk),
                  np.int32(d), np.int32(vec)))
 
+    def qk_norm_rope_write_kv(self, q, k, v, q_norm_w, k_norm_w, eps, offset, positions, inv_freq,
+                              rotary_dim, k_cache, v_cache, batch):
+        """head_rms_norm (q, k; when the weights are given) + rope + write_kv in one launch
+        (qk_norm_rope_kv_<dtype>: one warp per (token, head) of the Hq + Hk heads), bit-identical
+        to the unfused kernels. Returns the new contiguous q [T, Hq, D]. Cases the kernel does
+        not cover (mixed dtypes, odd shapes, non-contiguous caches) take the composed path."""
+        q, k, v = self._heads(q), self._heads(k), self._heads(v)
+        t, hq, d = q.shape
+        hk = k.shape[1]
+        rot = int(rotary_dim)
+        dt = np.dtype(q.dtype)
+        ok = (dt in _SUFFIX and k.dtype == dt and v.dtype == dt and k_cache.dtype == dt and v_cache.dtype == dt
+              and tuple(k.shape) == (t, hk, d) and tuple(v.shape) == (t, hk, d)
+              and k_cache.ndim >= 2 and tuple(k_cache.shape[-2:]) == (hk, d)
+              and tuple(v_cache.shape) == tuple(k_cache.shape)
+              and k_cache.flags.c_contiguous and v_cache.flags.c_contiguous
+              and 0 <= rot <= d and rot % 2 == 0 and positions is not None
+              and all(a.strides[i] >= 0 and a.strides[i] % a.itemsize == 0 for a in (q, k, v) for i in (0, 1))
+              and all(w is None or tuple(w.shape) == (d,) for w in (q_norm_w, k_norm_w)))
+        if not ok:
+            return compose_qk_norm_rope_write_kv(self, q, k, v, q_norm_w, k_norm_w, eps, offset, positions,
+                                                 inv_freq, rotary_dim, k_cache, v_cache, batch)
+        q_out = self._new((t, hq, d), dt)
+        if t == 0:
+            return q_out
+        qw = q_norm_w if q_norm_w is None or q_norm_w.dtype == dt else q_norm_w.astype(dt)
+        kw = k_norm_w if k_norm_w is None or k_norm_w.dtype == dt else k_norm_w.astype(dt)
+        pos = self._dev(positions)
+        inv = self._dev_f32(inv_freq) if rot else None
+        slots = self._dev(batch.slot_mapping)
+        warps = 8
+        self.kernel("elementwise", f"qk_norm_rope_kv_{_SUFFIX[dt]}")(
+            (-(-t * (hq + hk) // warps),), (32 * warps,),
+            (_ptr(q), np.int64(_estride(q, 0)), np.int64(_estride(q, 1)),
+             _ptr(k), np.int64(_estride(k, 0)), np.int64(_estride(k, 1)),
+             _ptr(v), np.int64(_estride(v, 0)), np.int64(_estride(v, 1)),
+             _ptr(q_out), _ptr(k_cache), _ptr(v_cache), _ptr(slots), np.int32(t), np.int32(hq), np.int32(hk),
+             np.int32(d), _ptr(qw), _ptr(kw), np.float32(eps), np.float32(offset), _ptr(pos), _ptr(inv),
+             np.int32(rot)),
+            shared_mem=warps * d * 4)
+        return q_out
+
     @staticmethod
     def _parse_attn_impl(spec: str) -> tuple[str, str]:
         """"mma" | "simt" | "decode=<impl>,prefill=<impl>" -> (decode impl, prefill impl)."""
@@ -586,11 +635,16 @@ class CudaOps:
             else:
                 part_o = part_m = part_l = None
             tail = (_ptr(out), _ptr(part_o), _ptr(part_m), _ptr(part_l), np.int32(hk), np.int32(g))
+            # mma: the last CTA of each (sequence, kv head, chunk) merges the partitions itself
+            # (counters), so no decode_reduce launch; graph-safe (shapes only, counters reset
+            # in-kernel). simt, or too many counters: decode_reduce as before.
+            fused_reduce = (self.fused_decode_reduce and mma and nparts > 1
+                            and b * hk * nchunks <= self._attn_counters.size)
             if mma:
                 self.kernel("attention", f"decode_mma_d{d}_h{nh}", smem)(
                     (b, hk * nchunks, nparts), (32 * ATTN_MMA_DECODE_WARPS,),
                     common + tail + (np.int32(nchunks), np.int32(bs), np.int32(part), np.int32(nparts),
-                                     scale_log2),
+                                     scale_log2, _ptr(self._attn_counters if fused_reduce else None)),
                     shared_mem=smem)
             else:
                 self.kernel("attention", f"decode_attn_d{d}", smem)(
@@ -598,7 +652,7 @@ class CudaOps:
                     common + tail + (np.int32(gcap), np.int32(nchunks), np.int32(bs), np.int32(part),
                                      np.int32(nparts), scale_log2),
                     shared_mem=smem)
-            if nparts > 1:
+            if nparts > 1 and not fused_reduce:
                 self.kernel("attention", "decode_reduce")(
                     (b, hq), (min(d, 256),),
                     (_ptr(part_o), _ptr(part_m), _ptr(part_l), _ptr(batch.seq_lens), _ptr(batch.query_start_loc),

@@ -140,12 +140,11 @@ class Attention:
         q = qkv[:, : hq * d].reshape(t, hq, d)
         k = qkv[:, q_end: q_end + hk * d].reshape(t, hk, d)
         v = qkv[:, q_end + hk * d:].reshape(t, hk, d)
-        if self.q_norm is not None:
-            q = ops.head_rms_norm(q, self.q_norm, self.norm.eps, self.norm.offset)
-            k = ops.head_rms_norm(k, self.k_norm, self.norm.eps, self.norm.offset)
-        q, k = ops.rope(q, k, batch.positions, self.inv_freq, self.rotary_dim)
         k_cache, v_cache = caches.kv(self.layer)
-        ops.write_kv(k, v, k_cache, v_cache, batch)
+        # q/k head norms + rotary + KV write: one launch on CUDA (the unfused ops elsewhere)
+        q = ops.qk_norm_rope_write_kv(q, k, v, self.q_norm, self.k_norm, self.norm.eps, self.norm.offset,
+                                      batch.positions, self.inv_freq, self.rotary_dim, k_cache, v_cache,
+                                      batch)
         o = ops.attention(q, k_cache, v_cache, batch, d ** -0.5).reshape(t, hq * d)
         if self.shape.gated:
             o = ops.sigmoid_mul(o, qkv[:, hq * d: q_end])
