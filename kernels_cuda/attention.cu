@@ -33,10 +33,7 @@
 // Tensor-core twins (CudaOps(attn_impl="mma"), the default; same arguments except decode has no
 // gcap): prefill_mma_d<D> (8 warps, 128 rows, Q in registers, double-buffered K/V, mma.sync
 // m16n8k16) and decode_mma_d<D>_h<NH> (S^T = K Q^T with the q heads as the n dimension, 4 warps
-// each with its own cp.async pipeline over 16-key tiles; with nparts > 1 and a `counters` buffer
-// (int32 [B * gridDim.y], zero between launches) the last live partition CTA of each (sequence,
-// kv head, chunk) merges the partials itself with decode_reduce's math, so no decode_reduce
-// launch follows; counters = null keeps the decode_reduce path). Details above each implementation and
+// each with its own cp.async pipeline over 16-key tiles). Details above each implementation and
 // in kernels_cuda/README.md. The CUDA-core kernels stay as the fallback (attn_impl="simt").
 #include "common.cuh"
 
@@ -700,8 +697,7 @@ __device__ void decode_mma_impl(const bf16* __restrict__ q, long long qs_t, long
                                 const int* __restrict__ seq_lens, const int* __restrict__ qsl,
                                 bf16* __restrict__ out, float* __restrict__ part_o,
                                 float* __restrict__ part_m, float* __restrict__ part_l, int Hk, int G,
-                                int nchunks, int block_size, int part_tokens, int nparts, float scale_log2,
-                                int* __restrict__ counters) {
+                                int nchunks, int block_size, int part_tokens, int nparts, float scale_log2) {
     constexpr int NW = 4, NT = NW * 32, TK = 16, LDS = D + 8, CH = D / 8, KS = D / 16;
     constexpr int HPC = 8 * NH;                    // q heads per CTA
     constexpr int STAGE = 2 * TK * LDS;            // K then V, elements
@@ -727,9 +723,7 @@ __device__ void decode_mma_impl(const bf16* __restrict__ q, long long qs_t, long
     const int head0 = kvh * G + g0;
 
     if (kv_begin >= kv_end) {  // past this sequence's end (or an empty padding sequence)
-        // zeros for an empty sequence: written here when no reduce follows (one partition, or
-        // the in-kernel reduce, which no CTA of an empty sequence reaches)
-        if (nparts == 1 || (counters && p == 0))
+        if (nparts == 1)
             for (int i = tid; i < gn * D; i += NT)
                 out[(t * Hq + head0 + i / D) * D + i % D] = __float2bfloat16_rn(0.f);
         return;
@@ -909,38 +903,6 @@ __device__ void decode_mma_impl(const bf16* __restrict__ q, long long qs_t, long
             }
         }
     }
-    if (nparts == 1 || !counters) return;  // one partition: final; no counters: decode_reduce merges
-
-    // In-kernel reduce (replaces the decode_reduce launch): the last of this (sequence, kv head,
-    // chunk)'s live partitions to finish merges them all (threadFenceReduction pattern) and
-    // resets the counter to 0, so it is 0 again at every kernel boundary (graph replays).
-    __shared__ int s_last;
-    const int np = min(nparts, (seq_len + part_tokens - 1) / part_tokens);  // live partitions (>= 1 here)
-    __threadfence();  // this thread's partials are visible device-wide before the count
-    __syncthreads();
-    if (tid == 0) {
-        int* ctr = counters + (long long)b * gridDim.y + blockIdx.y;
-        const int last = atomicAdd(ctr, 1) == np - 1;
-        if (last) *ctr = 0;
-        s_last = last;
-    }
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
-    // the math of decode_reduce, for this CTA's gn heads (reads through L2: other CTAs' writes)
-    for (int i = tid; i < gn * D; i += NT) {
-        const int head = i / D, d = i % D;
-        const long long base = ((long long)b * Hq + head0 + head) * nparts;
-        float M = -MT_INF;
-        for (int pp = 0; pp < np; ++pp) M = fmaxf(M, __ldcg(part_m + base + pp));
-        float L = 0.f;
-        for (int pp = 0; pp < np; ++pp) L += __ldcg(part_l + base + pp) * exp2f(__ldcg(part_m + base + pp) - M);
-        const float inv = 1.f / L;
-        float o = 0.f;
-        for (int pp = 0; pp < np; ++pp)
-            o += __ldcg(part_o + (base + pp) * D + d) * exp2f(__ldcg(part_m + base + pp) - M);
-        out[(t * Hq + head0 + head) * D + d] = __float2bfloat16_rn(o * inv);
-    }
 }
 
 }  // namespace
@@ -1005,10 +967,10 @@ MT_ATTN(256, 32)
         const bf16* q, long long qs_t, long long qs_h, const bf16* k_cache, const bf16* v_cache,    \
         const int* block_tables, int bt_stride, const int* seq_lens, const int* qsl, bf16* out,      \
         float* part_o, float* part_m, float* part_l, int Hk, int G, int nchunks, int block_size,     \
-        int part_tokens, int nparts, float scale_log2, int* counters) {                              \
+        int part_tokens, int nparts, float scale_log2) {                                             \
         decode_mma_impl<D, NH, STAGES>(q, qs_t, qs_h, k_cache, v_cache, block_tables, bt_stride,     \
                                        seq_lens, qsl, out, part_o, part_m, part_l, Hk, G, nchunks,   \
-                                       block_size, part_tokens, nparts, scale_log2, counters);       \
+                                       block_size, part_tokens, nparts, scale_log2);                 \
     }
 
 MT_PREFILL_MMA(64, 64, true)

@@ -506,13 +506,13 @@ def test_qk_norm_rope_write_kv_fallback(ops, cpu):
                                   ops.asarray(inv_freq, np.float32), rot, kc, vc, dev)
 
 
-# -- decode attention: one partition per sequence / in-kernel split-KV reduce -------------------
+# -- decode attention over short contexts in wide block tables (as decode graphs see them) -------
 @pytest.mark.parametrize("d,hq,hk", [(64, 9, 3), (128, 16, 4), (256, 24, 4)])
 @pytest.mark.parametrize("width", [1, 4, 64])
 def test_decode_attention_short_contexts(ops, simt_ops, cpu, d, hq, hk, width):
     """Short contexts in a wide or narrow block table: one partition for the whole batch
     (nparts == 1), or many partitions of which each sequence fills only the first few (the
-    in-kernel reduce of a single live partition, and of several)."""
+    split-KV merge of a single live partition, and of several)."""
     rng = np.random.default_rng(70 + d + width)
     bs = 16
     ctx = [0, 1, 5, 14, 15] if width == 1 else [0, 3, 15, 31, 40, 63]
@@ -540,9 +540,8 @@ def test_decode_attention_short_contexts(ops, simt_ops, cpu, d, hq, hk, width):
             finally:
                 o.part_tokens = old
             check(ops.to_numpy(out), ref, BF16, f"decode short ctx={ctx} width={width} part={part}")
-            # the counters were reset by the first launch: a second one gives the same bits
+            # deterministic: a second launch gives the same bits
             assert ops.to_numpy(out).tobytes() == ops.to_numpy(out2).tobytes()
-    assert not ops._attn_counters.any().get(), "split-KV counters not reset to 0"
 
 
 @pytest.mark.parametrize("part_tokens", [None, 32, 4096])
@@ -607,4 +606,3 @@ def test_decode_short_contexts_in_a_cuda_graph(ops, cpu, part_tokens):
                 check(got, cpu.attention(q_r, cpu_kc, cpu_vc, hb, d ** -0.5), BF16, f"graph vs cpu (grow {grow})")
     finally:
         ops.part_tokens = old
-    assert not ops._attn_counters.any().get(), "split-KV counters not reset to 0"

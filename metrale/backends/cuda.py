@@ -191,12 +191,6 @@ class CudaOps:
         self._smem_set: set = set()
         self._staging: list = []            # pinned upload buffers, with their copy-done events
         self._staging_next = 0
-        # decode_mma's in-kernel split-KV reduce: one int32 counter per (sequence, kv head, head
-        # chunk), 0 between launches (the last CTA resets its own). Allocated here, before any
-        # graph capture; a batch needing more falls back to the decode_reduce launch. One
-        # buffer per CudaOps: its decode attention must not run on two streams at once.
-        self._attn_counters = cupy.zeros(1 << 16, dtype=np.int32)
-        self.fused_decode_reduce = True     # False: the decode_reduce launch, as before
 
     # -- kernel access (also used by metrale.backends.cuda_gdn) -------------------------------
     def module(self, name: str):
@@ -635,16 +629,11 @@ class CudaOps:
             else:
                 part_o = part_m = part_l = None
             tail = (_ptr(out), _ptr(part_o), _ptr(part_m), _ptr(part_l), np.int32(hk), np.int32(g))
-            # mma: the last CTA of each (sequence, kv head, chunk) merges the partitions itself
-            # (counters), so no decode_reduce launch; graph-safe (shapes only, counters reset
-            # in-kernel). simt, or too many counters: decode_reduce as before.
-            fused_reduce = (self.fused_decode_reduce and mma and nparts > 1
-                            and b * hk * nchunks <= self._attn_counters.size)
             if mma:
                 self.kernel("attention", f"decode_mma_d{d}_h{nh}", smem)(
                     (b, hk * nchunks, nparts), (32 * ATTN_MMA_DECODE_WARPS,),
                     common + tail + (np.int32(nchunks), np.int32(bs), np.int32(part), np.int32(nparts),
-                                     scale_log2, _ptr(self._attn_counters if fused_reduce else None)),
+                                     scale_log2),
                     shared_mem=smem)
             else:
                 self.kernel("attention", f"decode_attn_d{d}", smem)(
@@ -652,7 +641,7 @@ class CudaOps:
                     common + tail + (np.int32(gcap), np.int32(nchunks), np.int32(bs), np.int32(part),
                                      np.int32(nparts), scale_log2),
                     shared_mem=smem)
-            if nparts > 1 and not fused_reduce:
+            if nparts > 1:
                 self.kernel("attention", "decode_reduce")(
                     (b, hq), (min(d, 256),),
                     (_ptr(part_o), _ptr(part_m), _ptr(part_l), _ptr(batch.seq_lens), _ptr(batch.query_start_loc),
