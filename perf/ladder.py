@@ -294,17 +294,27 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.http:
         return main_http(args)
-    import cupy as cp
-
     from metrale.config import EngineConfig
     from metrale.core import EngineCore
 
     rungs = [int(c) for c in args.conc.split(",")]
-    bw = measure_copy_bw()
     t0 = time.perf_counter()
-    ckpt, shapes = synthetic_checkpoint(args.shape)
+    if args.device == "cuda":
+        bw = measure_copy_bw()
+        ckpt, shapes = synthetic_checkpoint(args.shape)
+    else:
+        # the CPU backend (small shapes): what the harness and the serving overhead look like
+        # without a GPU; the same dummy weights `met serve --load-format dummy` makes
+        import tempfile
+
+        from metrale.models.loader import load_checkpoint
+
+        bw = None
+        folder = write_model_folder(args.shape, Path(tempfile.mkdtemp(prefix="metrale-ladder-")))
+        ckpt = load_checkpoint(str(folder), load_format="dummy", device="cpu")
+        shapes = tensor_shapes(hf_config(args.shape)[0])
     core = EngineCore(ckpt, EngineConfig(
-        device="cuda", max_seq_len=args.isl + args.osl + 32, max_batch_size=max(rungs),
+        device=args.device, max_seq_len=args.isl + args.osl + 32, max_batch_size=max(rungs),
         max_num_seqs=max(rungs), max_prefill_tokens=max(8192, args.isl * 8), seed=0))
     load_s = time.perf_counter() - t0
     cfg = ckpt.config
@@ -316,7 +326,7 @@ def main(argv=None) -> int:
                 for _ in range(args.reps)]
         step = [r["decode_step_p50_ms"] for r in reps if r["decode_step_p50_ms"]]
         ctx = args.isl + args.osl // 2
-        roof_ms = 1e3 * decode_step_bytes(shapes, cfg, conc, ctx) / bw
+        roof_ms = 1e3 * decode_step_bytes(shapes, cfg, conc, ctx) / bw if bw else float("nan")
         row = dict(concurrency=conc, tok_s=statistics.mean(r["tok_s"] for r in reps),
                    tok_s_reps=[r["tok_s"] for r in reps],
                    ttft_p50_ms=statistics.median(r["ttft_p50_ms"] for r in reps),
@@ -330,9 +340,13 @@ def main(argv=None) -> int:
               f"{row['ttft_p50_ms']:8.1f} ms  ITL p50 {row['itl_p50_ms']:7.2f} ms  step "
               f"{row['decode_step_p50_ms'] or 0:7.2f} ms  roofline {roof_ms:6.2f} ms", flush=True)
     params = sum(int(np.prod(s)) for s in shapes.values())
+    device = "cpu"
+    if args.device == "cuda":
+        import cupy as cp
+
+        device = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     write_record(args, "ladder", dict(
-        benchmark="ladder_engine_only",
-        device=cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), copy_bandwidth_Bps=bw,
+        benchmark="ladder_engine_only", device=device, copy_bandwidth_Bps=bw,
         params=params, load_seconds=load_s, rungs=results))
     return 0
 
