@@ -214,6 +214,8 @@ class _Choice:
         return [info for info, _ in done]
 
 
+_GONE = object()   # queued by Generation._watch_disconnect
+
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort", "timeout": "length"}
 
 
@@ -229,27 +231,28 @@ class Generation:
 
     async def events(self):
         """ChoiceText / ChoiceDone / APIError events until every choice is done (an APIError
-        ends the iteration). Raises ConnectionAbortedError when the client disconnects."""
+        ends the iteration). Raises ConnectionAbortedError when the client disconnects.
+
+        One `queue.get()` per event under `asyncio.timeout` (a disconnect puts a sentinel in the
+        queue): the per-event task + `asyncio.wait` this replaced cost ~50 us per streamed
+        token, half the frontend's work per token."""
         loop = asyncio.get_running_loop()
         self.tasks = [loop.create_task(self._run(spec)) for spec in self.specs]
-        gone = loop.create_task(self.disconnected.wait())
+        gone = loop.create_task(self._watch_disconnect())
         remaining = len(self.specs)
         try:
             while remaining:
-                if gone.done():
+                if self.disconnected.is_set():
                     raise ConnectionAbortedError("the client disconnected")
-                getter = loop.create_task(self.queue.get())
-                await asyncio.wait({getter, gone}, timeout=LIVENESS_CHECK_S,
-                                   return_when=asyncio.FIRST_COMPLETED)
-                if not getter.done():
-                    getter.cancel()
-                    if gone.done():
-                        raise ConnectionAbortedError("the client disconnected")
+                try:
+                    async with asyncio.timeout(LIVENESS_CHECK_S):
+                        event = await self.queue.get()
+                except TimeoutError:
                     event = await self._check_engine()
                     if event is None:
                         continue
-                else:
-                    event = getter.result()
+                if event is _GONE:
+                    raise ConnectionAbortedError("the client disconnected")
                 if isinstance(event, ChoiceDone):
                     remaining -= 1
                 yield event
@@ -258,6 +261,10 @@ class Generation:
         finally:
             gone.cancel()
             await self.cancel()
+
+    async def _watch_disconnect(self) -> None:
+        await self.disconnected.wait()
+        self.queue.put_nowait(_GONE)
 
     async def _check_engine(self) -> APIError | None:
         """Nothing came for a while: is the engine still there? (A submit to an engine that is
