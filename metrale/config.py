@@ -48,6 +48,8 @@ class EngineConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.dtype not in ("auto", "bfloat16", "bf16", "float32"):
+            raise ConfigError(f"dtype must be auto, bfloat16 or float32, got {self.dtype!r}")
         if self.scheduler not in ("fifo", "slai"):
             raise ConfigError(f"--scheduler must be fifo or slai, got {self.scheduler!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -21,9 +21,16 @@ def make_ops(config):
         if not cuda_available():
             raise RuntimeError("--device cuda: no CUDA GPU is visible (or cupy is not installed: "
                                "pip install -e '.[cuda]')")
+        dtype = {"auto": "bfloat16", "bf16": "bfloat16"}.get(config.dtype, config.dtype)
+        if dtype != "bfloat16":
+            from metrale.config import ConfigError
+
+            # the attention kernels (and the paged KV cache) are bf16: refuse here, not with a
+            # TypeError from the first graph capture
+            raise ConfigError(f"dtype {config.dtype!r} is not supported on CUDA (bfloat16 only); "
+                              "use dtype auto/bfloat16, or device cpu for float32")
         from metrale.backends.cuda import CudaOps
 
-        dtype = {"auto": "bfloat16", "bf16": "bfloat16"}.get(config.dtype, config.dtype)
         if dtype == "bfloat16":
             import ml_dtypes
 
