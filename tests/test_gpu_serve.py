@@ -38,6 +38,7 @@ def server(tmp_path_factory):
                   "--no-event-log"], logs / "serve.log")
     try:
         srv.wait_healthy(600)
+        srv.wait_workers_ready(2)
         yield srv
     finally:
         print(srv.tail(3000))
