@@ -16,9 +16,11 @@ Measures the ceilings first (device-to-device copy bandwidth, bf16 GEMM rate at 
 Writes perf/results/ops_<date>_<commit>.json (and a copy under --out) and prints a table.
 CudaOps.linear runs the autotuned cuBLASLt path (METRALE_GEMM_TUNE=1, the default).
 
---gemm-only: the decode GEMMs alone, [out x in] = 12288x4096, 4096x12288, 248320x4096 (bf16, fp32
-accumulate) at M = 1, 2, 4, ..., 128, for cublasGemmEx (CUBLAS_GEMM_DEFAULT), cuBLASLt's heuristic
-#0 and the autotuned cuBLASLt plan, eager and replayed from a captured CUDA graph: microseconds,
+--gemm-only: the decode GEMMs alone, [out x in] = 12288x4096, 4096x12288, 248320x4096 and
+SmolLM2-135M's 576x576, 192x576, 960x576, 3072x576, 576x1536 (bf16, fp32 accumulate) at M = 1, 2,
+4, ..., 128, for cublasGemmEx (CUBLAS_GEMM_DEFAULT), cuBLASLt's heuristic #0, the autotuner without
+and with our GEMV kernels as candidates (the latter is CudaOps.linear) and the GEMV kernels alone
+(M <= 8), eager and replayed from a captured CUDA graph: microseconds,
 fraction of the copy bandwidth (bytes = weights + x + y), the chosen algorithm and the tuning time
 of the first call. Writes perf/results/gemm_<date>_<commit>.json (and a copy under --out).
 
@@ -139,9 +141,40 @@ def bench_gemms(ops: CudaOps, copy_bw: float, quick: bool) -> list[dict]:
     return rows
 
 
-GEMM_SHAPES = [(12288, 4096), (4096, 12288), (248320, 4096)]   # [out x in]
+# [out x in]: Qwen3.5-sized, then SmolLM2-135M's decode GEMMs (q/o, k/v, fused qkv, fused
+# gate_up, down: latency-bound, where the own GEMV kernels compete)
+GEMM_SHAPES = [(12288, 4096), (4096, 12288), (248320, 4096), (576, 576), (192, 576), (960, 576), (3072, 576),
+               (576, 1536)]
 GEMM_MS = (1, 2, 4, 8, 16, 32, 64, 128)
-GEMM_VARIANTS = ("gemmex", "lt_heuristic0", "lt_tuned")
+# lt_tuned: what CudaOps.linear runs (cuBLASLt + own GEMV candidates); lt_tuned_lt: the same tuner
+# without the GEMV candidates; gemv: the fastest own GEMV config alone (M <= 8)
+GEMM_VARIANTS = ("gemmex", "lt_heuristic0", "lt_tuned_lt", "lt_tuned", "gemv")
+
+
+class GemvOnly:
+    """Our GEMV kernels alone, as a GEMM variant: the first call of a shape times every config
+    (eagerly, CUDA events) and keeps the fastest; shapes the kernel does not take are skipped."""
+
+    def __init__(self, own: lt.OwnGemv):
+        self.own, self._best, self.last_plan = own, {}, None
+
+    def applies(self, m: int, k: int) -> bool:
+        return lt.OwnGemv.applies(m, k, k, k, cb.CUDA_R_16BF, 256, 256)
+
+    def gemm_rowmajor_xwT(self, stream_ptr, x_ptr, x_ld, w_ptr, w_ld, y_ptr, y_ld, t, n_out, k, code,
+                          accumulate=False):
+        key = (t, n_out, k, x_ld, w_ld, y_ld, code)
+        cfg = self._best.get(key)
+        if cfg is None:
+            times = []
+            for c in lt.OwnGemv.configs(k):
+                def fn(c=c):
+                    self.own.launch(c, stream_ptr, x_ptr, x_ld, w_ptr, w_ld, y_ptr, y_ld, t, n_out, k, code, False)
+                times.append((time_gpu(fn, 50), c))
+            cfg = self._best[key] = min(times)[1]
+            self.last_plan = lt.Plan(name=lt.OwnGemv.describe(cfg), tuned=True, own=cfg)
+            self.last_plan.time_s = min(times)[0]
+        self.own.launch(cfg, stream_ptr, x_ptr, x_ld, w_ptr, w_ld, y_ptr, y_ld, t, n_out, k, code, accumulate)
 
 
 def gemm_variants(ops: CudaOps) -> dict:
@@ -156,7 +189,11 @@ def gemm_variants(ops: CudaOps) -> dict:
             print(f"cuBLASLt unavailable: {e}")
             return {"gemmex": blas}
     heur = lt.LtGemm(blas.lib, blas.blas, blas.workspace_ptr, blas.workspace_bytes, mode="heuristic")
-    return {"gemmex": blas.blas, "lt_heuristic0": heur, "lt_tuned": blas}
+    lt_only = lt.LtGemm(blas.lib, blas.blas, blas.workspace_ptr, blas.workspace_bytes)
+    out = {"gemmex": blas.blas, "lt_heuristic0": heur, "lt_tuned_lt": lt_only, "lt_tuned": blas}
+    if blas.own_gemv is not None:
+        out["gemv"] = GemvOnly(blas.own_gemv)
+    return out
 
 
 def bench_gemm_variants(ops: CudaOps, copy_bw: float, quick: bool) -> list[dict]:
@@ -171,6 +208,8 @@ def bench_gemm_variants(ops: CudaOps, copy_bw: float, quick: bool) -> list[dict]
             row = {"out": n, "in": k, "M": m, "bytes": nbytes}
             outs = {}
             for name, g in variants.items():
+                if isinstance(g, GemvOnly) and not g.applies(m, k):
+                    continue
                 def fn(g=g):
                     g.gemm_rowmajor_xwT(cupy.cuda.get_current_stream().ptr, x.data.ptr, k, w.data.ptr, k,
                                         y.data.ptr, n, m, n, k, cb.CUDA_R_16BF)
@@ -203,13 +242,16 @@ def bench_gemm_variants(ops: CudaOps, copy_bw: float, quick: bool) -> list[dict]
 
 def gemm_section(res: dict, ops: CudaOps, copy_bw: float, quick: bool) -> None:
     res["gemm_variants"] = rows = bench_gemm_variants(ops, copy_bw, quick)
-    names = [n for n in GEMM_VARIANTS if n in rows[0]]
+    names = [n for n in GEMM_VARIANTS if any(n in r for r in rows)]
     print(f"\n{'GEMM out x in':>15} {'M':>4} " + " ".join(f"{n + ' eager/graph us, %bw':>34}" for n in names)
           + "  tuned algo (tuning ms)")
     for r in rows:
         cols = []
         for n in names:
-            v = r[n]
+            v = r.get(n)
+            if v is None:
+                cols.append("-")
+                continue
             g = v["graph_frac_copy_bw"]
             cols.append(f"{v['eager_s'] * 1e6:>8.1f} {v['graph_s'] * 1e6:>8.1f} {100 * v['eager_frac_copy_bw']:>6.0f}% "
                         f"{(100 * g if g else float('nan')):>6.0f}%")

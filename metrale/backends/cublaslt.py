@@ -23,6 +23,14 @@ x / w / y pointers). Policy, for a weight of n_out * k >= TUNE_MIN_WEIGHTS eleme
     (the smallest above, else the largest below) is reused when cublasLtMatmulAlgoCheck accepts
     it for this t, else cublasGemmEx (re-resolved once a neighbour gets tuned).
   * t > TUNE_MAX_T or a small weight: cublasGemmEx, as before.
+Own GEMV kernels (kernels_cuda/gemv.cu, `OwnGemv`, handed in by CudaOps as `own_gemv`): for
+t <= GEMV_MAX_T with 16-byte aligned x / w (k, x_ld, w_ld multiples of 8; bf16 / fp16) they are
+candidates too, checked and timed like the cuBLASLt algorithms and winning by the same margin.
+Why: decode GEMMs of small models (SmolLM2-135M: 0.2-3.5 MB weights) are latency-bound, and
+cuBLAS's tile kernels take ~3.8 us where the weight streams in well under 1 us. For those row
+counts every weight size is tuned (the TUNE_MIN_WEIGHTS skip holds for t > GEMV_MAX_T, or where
+the kernel does not apply); row counts between the decode buckets borrow a tuned gemv plan only
+when t <= GEMV_MAX_T (the kernel variant is the smallest compiled T >= t).
 
 Every enum value and struct layout below is from cublasLt.h of the nvidia-cublas 13.10.0.20 wheel
 (nvidia/cu13/include/cublasLt.h), checked by compiling a C file against it (sizeof / offsetof /
@@ -81,8 +89,15 @@ SPLITK_MIN_K = 256
 TUNE_BUDGET_S = 1.0          # no new candidate is timed past this much wall time per key
 GRAPH_TARGET_S = 0.5e-3      # GPU time of one timing graph (calls per graph follow from it)
 GRAPH_REPLAYS = 3            # timed replays per candidate (the fastest counts), after one warm-up
-WIN_MARGIN = 0.01            # a cuBLASLt algorithm replaces GemmEx only if this much faster
+WIN_MARGIN = 0.01            # a cuBLASLt algorithm or own GEMV replaces GemmEx only if this much faster
 CHECK_ROWS = 4               # rows (plus the last) each candidate is checked on against GemmEx
+# own GEMV kernels (kernels_cuda/gemv.cu): row counts compiled in (a call with t rows runs the
+# smallest >= t), output rows per warp group, k split over 1 / 2 / 4 warps, 128-thread CTAs
+GEMV_MAX_T = 8
+GEMV_T = (1, 2, 4, 8)
+GEMV_R = (2, 4)
+GEMV_KS_LOG2 = (0, 1, 2)
+GEMV_WARPS = 4
 
 _ITEMSIZE = {CUDA_R_16BF: 2, CUDA_R_16F: 2, CUDA_R_32F: 4}
 
@@ -165,22 +180,81 @@ def _capturing(stream_ptr: int) -> bool:
 
 
 class Plan:
-    """How one key runs: `algo` None = cublasGemmEx, else cublasLtMatmul with `algo` and the
-    A/B/C layouts. `tuned` is False for a provisional plan (chosen during capture, or untimed)."""
-    __slots__ = ("algo", "algo_id", "candidates", "gemmex_s", "layouts", "name", "p_algo", "time_s", "tune_s",
-                 "tuned")
+    """How one key runs: `own` set = our GEMV kernel with that (R, ks_log2) config (OwnGemv);
+    else `algo` None = cublasGemmEx, else cublasLtMatmul with `algo` and the A/B/C layouts.
+    `tuned` is False for a provisional plan (chosen during capture, or untimed)."""
+    __slots__ = ("algo", "algo_id", "candidates", "gemmex_s", "layouts", "name", "own", "p_algo", "time_s",
+                 "tune_s", "tuned")
 
-    def __init__(self, algo=None, layouts=None, name="gemmex", algo_id=None, tuned=False):
+    def __init__(self, algo=None, layouts=None, name="gemmex", algo_id=None, tuned=False, own=None):
         self.algo = algo
         self.p_algo = ctypes.pointer(algo) if algo is not None else None
         self.layouts = layouts
+        self.own = own
         self.name, self.algo_id, self.tuned = name, algo_id, tuned
         self.time_s = self.gemmex_s = self.tune_s = None
         self.candidates = 0
 
     def as_dict(self) -> dict:
-        return {"algo": self.name, "algo_id": self.algo_id, "tuned": self.tuned, "time_s": self.time_s,
-                "gemmex_s": self.gemmex_s, "candidates": self.candidates, "tune_s": self.tune_s}
+        return {"algo": self.name, "algo_id": self.algo_id, "own": self.own, "tuned": self.tuned,
+                "time_s": self.time_s, "gemmex_s": self.gemmex_s, "candidates": self.candidates,
+                "tune_s": self.tune_s}
+
+
+class OwnGemv:
+    """Launches kernels_cuda/gemv.cu (gemv_t<T>_r<R>_<bf16|f16>) for LtGemm. `kernel(module, fn)`
+    returns a cupy RawKernel-like callable taking (grid, block, args, stream=...): CudaOps.kernel
+    (its KernelCache compiles the .cu once per arch). A config is (R, ks_log2): R output rows per
+    group of 1 << ks_log2 warps splitting k (the layout of the .cu's header)."""
+
+    def __init__(self, kernel):
+        self._kernel = kernel
+        self._fns: dict = {}
+        self._streams: dict = {}
+
+    @staticmethod
+    def applies(t: int, k: int, x_ld: int, w_ld: int, dtype_code: int, x_align: int, w_align: int) -> bool:
+        """The kernel's requirements: 16-byte vectors of x and w rows (k, leading dims multiples of
+        8 elements, 16-byte aligned pointers), 16-bit types, 1..GEMV_MAX_T rows."""
+        return (1 <= t <= GEMV_MAX_T and dtype_code in (CUDA_R_16BF, CUDA_R_16F) and k > 0 and k % 8 == 0
+                and x_ld % 8 == 0 and w_ld % 8 == 0 and x_align >= 16 and w_align >= 16)
+
+    @staticmethod
+    def configs(k: int) -> list[tuple[int, int]]:
+        """The (R, ks_log2) candidates for a depth k: a wider k split only where the narrower one
+        leaves a lane more than one vector per row (otherwise it adds a barrier and idle warps)."""
+        kv = k // 8
+        return [(r, ks) for r in GEMV_R for ks in GEMV_KS_LOG2 if ks == 0 or kv > (32 << (ks - 1))]
+
+    @staticmethod
+    def describe(cfg) -> str:
+        return f"gemv[r={cfg[0]} ksplit={1 << cfg[1]}]"
+
+    def _stream(self, ptr: int):
+        s = self._streams.get(ptr)
+        if s is None:
+            import cupy
+
+            s = self._streams[ptr] = cupy.cuda.ExternalStream(ptr)
+        return s
+
+    def launch(self, cfg, stream_ptr: int, x_ptr: int, x_ld: int, w_ptr: int, w_ld: int, y_ptr: int, y_ld: int,
+               t: int, n_out: int, k: int, dtype_code: int, accumulate: bool) -> None:
+        import numpy as np
+
+        r, ks = cfg
+        fkey = (t, r, dtype_code)
+        fn = self._fns.get(fkey)
+        if fn is None:
+            tv = next(v for v in GEMV_T if v >= t)
+            suf = "bf16" if dtype_code == CUDA_R_16BF else "f16"
+            fn = self._fns[fkey] = self._kernel("gemv", f"gemv_t{tv}_r{r}_{suf}")
+        groups = -(-n_out // r)
+        per_cta = GEMV_WARPS >> ks
+        fn((-(-groups // per_cta),), (32 * GEMV_WARPS,),
+           (np.uint64(x_ptr), np.int64(x_ld), np.uint64(w_ptr), np.int64(w_ld), np.uint64(y_ptr), np.int64(y_ld),
+            np.int32(t), np.int32(n_out), np.int32(k), np.int32(ks), np.int32(1 if accumulate else 0)),
+           stream=self._stream(stream_ptr))
 
 
 GEMMEX = Plan(tuned=True)   # shapes outside the tuning range (never mutated)
@@ -192,13 +266,15 @@ class LtGemm:
     the stream, so one buffer serves both).
 
     mode "tune": decode-sized shapes autotuned, the rest cublasGemmEx (the default);
-    mode "heuristic": every shape cuBLASLt's heuristic #0, never timed (benchmarks, tests)."""
+    mode "heuristic": every shape cuBLASLt's heuristic #0, never timed (benchmarks, tests).
+    own_gemv: an OwnGemv (or None): our GEMV kernels as extra candidates where they apply."""
 
     def __init__(self, lib: ctypes.CDLL, blas: _cublas.Cublas, workspace_ptr: int, workspace_bytes: int,
-                 mode: str = "tune"):
+                 mode: str = "tune", own_gemv: OwnGemv | None = None):
         if mode not in ("tune", "heuristic"):
             raise ValueError(f"LtGemm mode {mode!r}: expected 'tune' or 'heuristic'")
         self.lib, self.blas, self.mode = lib, blas, mode
+        self.own_gemv = own_gemv
         self.workspace_ptr, self.workspace_bytes = workspace_ptr, workspace_bytes
         vp = ctypes.c_void_p
         self._status_name = declare(lib)
@@ -227,7 +303,7 @@ class LtGemm:
 
     @classmethod
     def open(cls, major: int | None = None, workspace_bytes: int = _cublas.WORKSPACE_BYTES,
-             mode: str = "tune") -> LtGemm:
+             mode: str = "tune", own_gemv: OwnGemv | None = None) -> LtGemm:
         """Both libraries loaded, a workspace of our own (cupy; kept alive by the object)."""
         import cupy
         import numpy as np
@@ -238,7 +314,7 @@ class LtGemm:
         lt_lib = load_libcublaslt(major)
         ws = cupy.empty(workspace_bytes, dtype=np.uint8)
         self = cls(lt_lib, _cublas.Cublas(blas_lib, ws.data.ptr, workspace_bytes), ws.data.ptr, workspace_bytes,
-                   mode)
+                   mode, own_gemv)
         self._workspace = ws
         return self
 
@@ -369,8 +445,10 @@ class LtGemm:
         """y[t, n_out] (+)= x[t, k] @ w[n_out, k].T, row-major, leading dims in elements, fp32
         compute (as Cublas.gemm_rowmajor_xwT). The first call of a decode-sized key outside
         stream capture tunes it (synchronising the stream once); y holds the result either way."""
-        if self.mode == "tune" and (t > TUNE_MAX_T or n_out * k < TUNE_MIN_WEIGHTS):
-            self.last_plan = GEMMEX    # prefill / tiny: as before, no key, no cache entry
+        if self.mode == "tune" and (t > TUNE_MAX_T or (n_out * k < TUNE_MIN_WEIGHTS and not (
+                self.own_gemv is not None and t <= GEMV_MAX_T
+                and OwnGemv.applies(t, k, x_ld, w_ld, dtype_code, _align(x_ptr), _align(w_ptr))))):
+            self.last_plan = GEMMEX    # prefill / tiny (no own kernel): as before, no key, no cache entry
             self.blas.gemm_rowmajor_xwT(stream_ptr, x_ptr, x_ld, w_ptr, w_ld, y_ptr, y_ld, t, n_out, k, dtype_code,
                                         accumulate)
             return
@@ -384,6 +462,10 @@ class LtGemm:
 
     def _run(self, plan: Plan, stream_ptr, x_ptr, x_ld, w_ptr, w_ld, y_ptr, y_ld, t, n_out, k, dtype_code,
              accumulate) -> None:
+        if plan.own is not None:
+            self.own_gemv.launch(plan.own, stream_ptr, x_ptr, x_ld, w_ptr, w_ld, y_ptr, y_ld, t, n_out, k, dtype_code,
+                                 accumulate)
+            return
         if plan.algo is None:
             self.blas.gemm_rowmajor_xwT(stream_ptr, x_ptr, x_ld, w_ptr, w_ld, y_ptr, y_ld, t, n_out, k, dtype_code,
                                         accumulate)
@@ -440,6 +522,10 @@ class LtGemm:
         above = [u for u in tuned if u >= t]
         src_t = min(above) if above else max(tuned)
         src = tuned[src_t]
+        if src.own is not None:   # the same kernel config, compiled for the smallest T >= t
+            if self._own_applies(key):
+                return Plan(name=f"{src.name} (as t={src_t})", tuned=True, own=src.own)
+            return Plan(name=f"gemmex (t={src_t}'s gemv does not apply)", tuned=True)
         if src.algo is None:
             return Plan(name=f"gemmex (as t={src_t})", tuned=True)
         layouts = self._key_layouts(key)
@@ -451,6 +537,10 @@ class LtGemm:
         if st != 0 or res.workspaceSize > self.workspace_bytes:
             return Plan(name=f"gemmex (t={src_t}'s algo does not fit)", tuned=True)
         return Plan(algo, layouts, f"{src.name} (as t={src_t})", src.algo_id, tuned=True)
+
+    def _own_applies(self, key) -> bool:
+        t, _n_out, k, x_ld, w_ld, _y_ld, code = key[:7]
+        return self.own_gemv is not None and OwnGemv.applies(t, k, x_ld, w_ld, code, key[8], key[9])
 
     # -- tuning ------------------------------------------------------------------------------
     def _tune(self, key, stream_ptr: int, x_ptr: int, w_ptr: int, y_ptr: int) -> Plan:
@@ -466,7 +556,8 @@ class LtGemm:
             if bytes(a) not in seen:
                 seen.add(bytes(a))
                 algos.append(a)
-        if not algos:   # cuBLASLt has nothing for this shape / alignment: cublasGemmEx
+        own = OwnGemv.configs(k) if self._own_applies(key) else []
+        if not algos and not own:   # nothing but cublasGemmEx for this shape / alignment
             best, base_s, timed, rejected = Plan(tuned=True), None, 0, 0
         else:
             cupy.cuda.runtime.streamSynchronize(stream_ptr)   # the operands are ready
@@ -474,18 +565,20 @@ class LtGemm:
                 # a blocking stream: like the engine's, it stays ordered with legacy-stream work
                 self._stream = cupy.cuda.Stream()
             best, base_s, timed, rejected = self._tune_on(self._stream, key, layouts, algos, x_ptr, w_ptr, y_ptr,
-                                                          t0)
+                                                          t0, own)
         best.tune_s = time.perf_counter() - t0
         self.tune_seconds += best.tune_s
         if base_s is not None:
             log.debug("gemm t=%d n_out=%d k=%d ld=(%d,%d,%d) dtype=%d acc=%d: %s %.1f us vs gemmex %.1f us "
                       "(%.2fx); %d timed, %d rejected of %d, %.0f ms", t, n_out, k, x_ld, w_ld, y_ld, code,
                       accumulate, best.name, best.time_s * 1e6, base_s * 1e6, base_s / max(best.time_s, 1e-12),
-                      timed, rejected, len(algos) + 1, best.tune_s * 1e3)
+                      timed, rejected, len(algos) + len(own) + 1, best.tune_s * 1e3)
         return best
 
-    def _tune_on(self, ts, key, layouts, algos: list[MatmulAlgo], x_ptr: int, w_ptr: int, y_ptr: int, t0: float):
-        """Check and time cublasGemmEx and every algorithm on stream `ts` into a scratch y;
+    def _tune_on(self, ts, key, layouts, algos: list[MatmulAlgo], x_ptr: int, w_ptr: int, y_ptr: int, t0: float,
+                 own=()):
+        """Check and time cublasGemmEx, our GEMV configs `own` (first: the tuning budget never
+        cuts them) and every algorithm on stream `ts` into a scratch y;
         returns (winning plan, GemmEx seconds, candidates timed, rejected). Allocations and the
         comparisons run on cupy's current stream (their memory goes back to the pool that stream
         uses, e.g. the engine's), every hand-over between it and `ts` is a synchronisation."""
@@ -531,11 +624,14 @@ class LtGemm:
         reps = max(1, min(32, int(GRAPH_TARGET_S / max(est, 1e-7))))
         base_s = self._time_graph(call(gemmex, accumulate), reps, GRAPH_REPLAYS)
         best, best_s, timed, rejected = gemmex, base_s, 1, 0
-        for algo in algos:
-            if time.perf_counter() - t0 > TUNE_BUDGET_S:
-                break
-            name, aid = self.describe(algo)
-            plan = Plan(algo, layouts, name, aid, tuned=True)
+        cands = [Plan(name=OwnGemv.describe(cfg), tuned=True, own=cfg) for cfg in own]
+        for plan in [*cands, *algos]:
+            if not isinstance(plan, Plan):
+                if time.perf_counter() - t0 > TUNE_BUDGET_S:
+                    break
+                name, aid = self.describe(plan)
+                plan = Plan(plan, layouts, name, aid, tuned=True)
+            name = plan.name
             try:
                 # first run (loads its kernel) on a zeroed scratch with the real beta, so that
                 # y = 0 (+) x @ w.T, checked on a few rows against cublasGemmEx
@@ -544,10 +640,10 @@ class LtGemm:
                 ts.synchronize()
                 if not agrees():               # (a sync of the current stream)
                     rejected += 1
-                    log.warning("gemm %s: cuBLASLt %s disagrees with cublasGemmEx; not used", key[:8], name)
+                    log.warning("gemm %s: %s disagrees with cublasGemmEx; not used", key[:8], name)
                     continue
                 s = self._time_graph(call(plan, accumulate), reps, GRAPH_REPLAYS)
-            except (CublasError, cupy.cuda.runtime.CUDARuntimeError) as e:
+            except (CublasError, cupy.cuda.runtime.CUDARuntimeError, cupy.cuda.driver.CUDADriverError) as e:
                 rejected += 1
                 log.debug("gemm %s: %s failed: %s", key[:8], name, e)
                 continue

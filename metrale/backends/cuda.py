@@ -419,8 +419,9 @@ class CudaOps:
     # -- matrices --------------------------------------------------------------------------
     def _blas(self):
         """The GEMM handle: cuBLASLt with per-shape autotuning (metrale.backends.cublaslt) over
-        our cuBLAS handle; the plain cublasGemmEx handle when METRALE_GEMM_TUNE=0 or libcublasLt
-        cannot be used. Both share one workspace."""
+        our cuBLAS handle, with our GEMV kernels (kernels_cuda/gemv.cu, through this KernelCache)
+        as candidates for decode row counts; the plain cublasGemmEx handle when
+        METRALE_GEMM_TUNE=0 or libcublasLt cannot be used. Both share one workspace."""
         if self._cublas is None:
             major = self.cp.cuda.runtime.runtimeGetVersion() // 1000
             lib = _cublas.load_libcublas(major)
@@ -431,7 +432,7 @@ class CudaOps:
 
                 try:
                     blas = _cublaslt.LtGemm(_cublaslt.load_libcublaslt(major), blas, self._workspace.data.ptr,
-                                            _cublas.WORKSPACE_BYTES)
+                                            _cublas.WORKSPACE_BYTES, own_gemv=_cublaslt.OwnGemv(self.kernel))
                 except (_cublas.CublasError, AttributeError) as e:   # missing library / entry point
                     import logging
 
