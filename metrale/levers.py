@@ -52,6 +52,9 @@ LEVERS: dict[str, Lever] = {lv.name: lv for lv in (
           "1 = linear GEMMs through cuBLASLt, each decode-sized shape autotuned once (outside "
           "graph capture) over the heuristic's algorithms and cublasGemmEx; 0 = plain "
           "cublasGemmEx (CUBLAS_GEMM_DEFAULT) everywhere"),
+    Lever("METRALE_FAST_LAUNCH", str, "1", "metrale/backends/launch.py",
+          "1 = eager CUDA kernels launched through cuLaunchKernel with packed arguments (after a "
+          "self-test); 0 = CuPy's RawKernel launch"),
     Lever("METRALE_CUDA_POISON", str, "", "metrale/backends/cuda.py",
           "1 = fill every new CUDA op output with NaN first (tests: catches unwritten outputs)"),
 )}

@@ -1,0 +1,118 @@
+"""The packed-argument kernel launch path (metrale/backends/launch.py).
+
+CPU: the argument layout equals the C ABI's, with ctypes.Structure as the independent oracle
+(natural alignment, padding between 4- and 8-byte members). GPU: the self-test passes, a
+launch through the packed path equals CuPy's launch bit for bit, a Python scalar argument
+falls back to CuPy, and the packed path captures into a CUDA graph."""
+import ctypes
+import struct
+
+import numpy as np
+import pytest
+
+from metrale.backends.launch import arg_layout
+
+_CTYPES = {"Q": ctypes.c_uint64, "q": ctypes.c_int64, "I": ctypes.c_uint32, "i": ctypes.c_int32,
+           "H": ctypes.c_uint16, "h": ctypes.c_int16, "B": ctypes.c_uint8, "b": ctypes.c_int8,
+           "f": ctypes.c_float, "d": ctypes.c_double, "?": ctypes.c_bool}
+
+
+@pytest.mark.parametrize("codes", ["Q", "i", "qiqfiQQfi", "iQ", "fifq", "BQhIq?d", "QQQiiif",
+                                   "iiiiiiiiQ", "?Q", "hbQ"])
+def test_layout_matches_the_c_abi(codes):
+    fields = [(f"a{i}", _CTYPES[c]) for i, c in enumerate(codes)]
+    S = type("S", (ctypes.Structure,), {"_fields_": fields})
+    fmt, offsets, size = arg_layout(codes)
+    assert offsets == [getattr(S, f"a{i}").offset for i in range(len(codes))]
+    assert struct.calcsize(fmt) == size
+    # the packed bytes are the struct's bytes (up to the struct's own tail padding)
+    rng = np.random.default_rng(len(codes))
+    vals = []
+    for c in codes:
+        if c in "fd":
+            vals.append(float(np.float32(rng.standard_normal())))
+        elif c == "?":
+            vals.append(bool(rng.integers(2)))
+        else:
+            lo, hi = (0, 2 ** (8 * struct.calcsize(c)) - 1) if c.isupper() else \
+                (-(2 ** (8 * struct.calcsize(c) - 1)), 2 ** (8 * struct.calcsize(c) - 1) - 1)
+            vals.append(int(rng.integers(lo, hi, dtype=np.int64 if hi < 2 ** 63 else np.uint64)))
+    s = S(*vals)
+    packed = struct.pack(fmt, *vals)
+    assert packed == bytes(s)[:size]
+
+
+def test_numpy_scalars_pack_as_their_values():
+    fmt, _, _ = arg_layout("ifQ")
+    a = struct.pack(fmt, np.int32(-3), np.float32(0.5), np.uint64(2 ** 63 + 5))
+    b = struct.pack(fmt, -3, 0.5, 2 ** 63 + 5)
+    assert a == b
+
+
+# -- on the GPU --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ops():
+    from metrale.backends.cuda import CudaOps
+    return CudaOps()
+
+
+@pytest.mark.gpu
+def test_self_test_passes_and_model_kernels_use_the_packed_path(ops):
+    from metrale.backends.launch import FastKernel
+    k = ops.kernel("elementwise", "silu_mul_bf16")
+    assert isinstance(k, FastKernel), "the packed launch path failed its self-test (see the log)"
+
+
+@pytest.mark.gpu
+def test_packed_launch_equals_cupy_launch(ops):
+    import cupy
+
+    rng = np.random.default_rng(0)
+    x = ops.asarray(rng.standard_normal((37, 1001)))
+    res = ops.asarray(rng.standard_normal((37, 1001)))
+    w = ops.asarray(rng.standard_normal(1001))
+    fast = ops.to_numpy(ops.add_rms_norm(x, res, w, 1e-6, 1.0)[0])
+    k = ops.kernel("elementwise", "rms_norm_scalar_bf16")
+    raw = k.raw
+    # the same kernel through CuPy's launch
+    out = ops.empty((37, 1001))
+    res_out = ops.empty((37, 1001))
+    raw((37,), (256,), (x, np.int64(1001), res, np.int64(1001), w, out, res_out, np.int32(1001),
+                        np.float32(1e-6), np.float32(1.0)))
+    cupy.cuda.get_current_stream().synchronize()
+    assert ops.to_numpy(out).tobytes() == fast.tobytes()
+
+
+@pytest.mark.gpu
+def test_python_scalars_fall_back_to_cupy(ops):
+    import cupy
+
+    k = ops.kernel("launch_selftest", "launch_selftest")
+    out = cupy.zeros(8, dtype=cupy.int64)
+    marker = cupy.zeros(1, dtype=cupy.int64)
+    k((1,), (1,), (out, np.int32(1), np.int64(2), np.float32(3.0), np.int32(4), marker,
+                   np.uint64(5), np.float32(6.0), np.int32(7)))
+    assert out.get().tolist()[:2] == [1, 2]
+    # a Python int has no width of its own: no packed layout, CuPy launches such a call
+    assert k._layout((out, 1)) is None
+    assert k._layout((out, 1.0)) is None
+
+
+@pytest.mark.gpu
+def test_packed_launch_captures_in_a_graph(ops):
+    import cupy
+
+    out = cupy.zeros(8, dtype=cupy.int64)
+    marker = cupy.zeros(1, dtype=cupy.int64)
+    k = ops.kernel("launch_selftest", "launch_selftest")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        k((1,), (1,), (out, np.int32(9), np.int64(8), np.float32(7.0), np.int32(6), marker,
+                       np.uint64(5), np.float32(4.0), np.int32(3)))
+        graph = stream.end_capture()
+        out.fill(0)
+        graph.launch(stream)
+        stream.synchronize()
+    assert out.get().tolist()[0:2] == [9, 8] and out.get().tolist()[7] == 3
