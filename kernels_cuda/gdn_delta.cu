@@ -16,6 +16,12 @@
 //   qsl      i32 [B+1], seq_lens i32 [B], slots i32 [B]
 //   Value head h reads key head h / (Hv / Hk).
 //
+// gdn_recurrent_gates_<DK>x<DV>_<T>(q, k, v, sq, sk, sv, a, b, sa, sb, A_log, dt_bias, state, o,
+//   qsl, seq_lens, slots, Hk, Hv): the recurrent kernel taking the raw gate projections a, b
+//   (T [T, Hv], token strides sa / sb: columns of the input projection) and A_log, dt_bias (f32
+//   [Hv]) in place of g, beta; the gates are computed as gdn_gates does (bit-identical to
+//   gdn_gates + gdn_recurrent), saving the gates launch of each GDN layer in a decode step.
+//
 // Recurrent (decode) kernel: one CTA per (value head, sequence), DK*DV/4 float4 state elements
 // held in registers (16 per thread at 128x128), read once and written once with coalesced 16-byte
 // accesses. Bytes: B*Hv*DK*DV*4*2 (state) + B*(2*Hk*DK + Hv*DV)*2 (q,k,v) + o; FLOPs ~ 8*DK*DV per
@@ -42,6 +48,14 @@ constexpr float L2_EPS = 1e-6f;
 // ---------------------------------------------------------------------------------------------
 // Recurrent form: any number of tokens per sequence, token by token (used for decode).
 // ---------------------------------------------------------------------------------------------
+// g = -exp(A_log) * softplus(a + dt_bias), torch's softplus (threshold 20)
+template <typename T>
+__device__ __forceinline__ float gate_g(T a, float A_log, float dt_bias) {
+    const float x = mt::to_f(a) + dt_bias;
+    const float sp = x > 20.f ? x : log1pf(expf(x));
+    return -expf(A_log) * sp;
+}
+
 template <int DK, int DV> struct RecShape {
     static constexpr int NT = (DK * DV / 4) < 256 ? (DK * DV / 4) : 256;  // threads
     static constexpr int CG = DV / 4;                                    // float4 column groups
@@ -50,13 +64,20 @@ template <int DK, int DV> struct RecShape {
     static_assert(NT % 32 == 0 && RPT >= 1 && DK % RG == 0, "unsupported head dims");
 };
 
-template <typename T, int DK, int DV>
+// GATES: the decay and beta of each token come from the raw gate projections a, b [T, Hv]
+// (token strides sa, sb) with A_log, dt_bias, computed exactly as gdn_gates below does (so the
+// result is bit-identical to gdn_gates + this kernel), instead of from precomputed g, beta:
+// one launch less per GDN layer per decode step.
+template <typename T, int DK, int DV, bool GATES = false>
 __device__ __forceinline__ void gdn_recurrent(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     long long sq, long long sk, long long sv,
     const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ state,
     T* __restrict__ o, const int* __restrict__ qsl, const int* __restrict__ seq_lens,
-    const int* __restrict__ slots, int Hk, int Hv) {
+    const int* __restrict__ slots, int Hk, int Hv,
+    const T* __restrict__ ga = nullptr, const T* __restrict__ gb = nullptr, long long sa = 0,
+    long long sb = 0, const float* __restrict__ A_log = nullptr,
+    const float* __restrict__ dt_bias = nullptr) {
     using Sh = RecShape<DK, DV>;
     constexpr int NT = Sh::NT, CG = Sh::CG, RG = Sh::RG, RPT = Sh::RPT, NW = NT / 32;
     __shared__ float qs[DK], ks[DK], vs[DV], dl[DV];
@@ -96,8 +117,14 @@ __device__ __forceinline__ void gdn_recurrent(
         const float rq = rsqrtf(sqq + L2_EPS) * scale, rk = rsqrtf(skk + L2_EPS);
         if (tid < DK) { qs[tid] = qv * rq; ks[tid] = kv * rk; }
         const float kq = sqk * rq * rk;
-        const float decay = expf(g[(long long)t * Hv + h]);
-        const float b = beta[(long long)t * Hv + h];
+        float decay, b;
+        if constexpr (GATES) {
+            decay = expf(gate_g(ga[t * sa + h], A_log[h], dt_bias[h]));
+            b = mt::sigmoid(mt::to_f(gb[t * sb + h]));
+        } else {
+            decay = expf(g[(long long)t * Hv + h]);
+            b = beta[(long long)t * Hv + h];
+        }
         __syncthreads();
 
         float4 pk = make_float4(0.f, 0.f, 0.f, 0.f), pq = pk;
@@ -391,9 +418,7 @@ __device__ __forceinline__ void gdn_gates(const T* __restrict__ a, const T* __re
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)T_ * Hv) return;
     const int t = (int)(i / Hv), h = (int)(i % Hv);
-    const float x = mt::to_f(a[t * sa + h]) + dt_bias[h];
-    const float sp = x > 20.f ? x : log1pf(expf(x));  // torch softplus (threshold 20)
-    g[i] = -expf(A_log[h]) * sp;
+    g[i] = gate_g(a[t * sa + h], A_log[h], dt_bias[h]);
     beta[i] = mt::sigmoid(mt::to_f(b[t * sb + h]));
 }
 
@@ -409,6 +434,15 @@ __device__ __forceinline__ void gdn_gates(const T* __restrict__ a, const T* __re
     extern "C" __global__ void __launch_bounds__(RecShape<DK, DV>::NT)                            \
         gdn_recurrent_##DK##x##DV##_##SUF(GDN_ARGS(T)) {                                         \
         gdn_recurrent<T, DK, DV>(GDN_PASS);                                                      \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(RecShape<DK, DV>::NT)                            \
+        gdn_recurrent_gates_##DK##x##DV##_##SUF(                                                 \
+            const T* q, const T* k, const T* v, long long sq, long long sk, long long sv,        \
+            const T* ga, const T* gb, long long sa, long long sb, const float* A_log,            \
+            const float* dt_bias, float* state, T* o, const int* qsl, const int* seq_lens,       \
+            const int* slots, int Hk, int Hv) {                                                  \
+        gdn_recurrent<T, DK, DV, true>(q, k, v, sq, sk, sv, nullptr, nullptr, state, o, qsl,     \
+                                       seq_lens, slots, Hk, Hv, ga, gb, sa, sb, A_log, dt_bias); \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(CNT, 1)                                          \
         gdn_chunked_##DK##x##DV##_##SUF(GDN_ARGS(T)) {                                           \

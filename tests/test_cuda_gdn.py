@@ -223,6 +223,51 @@ def test_gated_delta_rule_decode(cuda_ops, cpu, dims, dt):
              tol_o=tol[0], tol_s=tol[1])
 
 
+@pytest.mark.parametrize("dims", [(2, 4, 128, 128), (1, 3, 64, 64), (2, 4, 64, 128)])
+@pytest.mark.parametrize("dt", ["bf16", "f32"])
+@pytest.mark.parametrize("lens", [[1] * 5, [3, 1, 2]])
+def test_gated_delta_rule_with_gates(cuda_ops, cpu, dims, dt, lens):
+    """The fused decode kernel (gates computed inside) == gdn_gates + gated_delta_rule bit for
+    bit, output and state, with a and b read in place as columns of one projection (the model's
+    layout), a fresh sequence among them; a prefill batch takes the two kernels; both match the
+    CPU's composition."""
+    import cupy as cp
+    ops = cuda_ops[dt]
+    Hk, Hv, Dk, Dv = dims
+    rng = np.random.default_rng(40 + Hv + Dk)
+    ctxs = [5, 0, 12, 1, 9][:len(lens)]
+    slots = [2 * i + 1 for i in range(len(lens))]
+    batch = _batch(lens, ctxs, slots)
+    T = batch.num_tokens
+    q, k, v, _, _ = _gdn_inputs(ops, rng, T, Hk, Hv, Dk, Dv)
+    # [x | a | y | b | z] columns, as in the input projection
+    proj = _round(ops, np.concatenate([rng.standard_normal((T, 3)), rng.standard_normal((T, Hv)) * 2,
+                                       rng.standard_normal((T, 5)), rng.standard_normal((T, Hv)),
+                                       rng.standard_normal((T, 7))], 1))
+    A_log = rng.uniform(-1, 1, Hv).astype(np.float32)
+    dt_bias = rng.uniform(-1, 1, Hv).astype(np.float32)
+    state0 = (rng.standard_normal((2 * len(lens) + 1, Hv, Dk, Dv)) * 0.3).astype(np.float32)
+    _garbage_fresh_rows(state0, batch, rng)
+    dproj = ops.asarray(proj)
+    da, db = dproj[:, 3:3 + Hv], dproj[:, 8 + Hv:8 + 2 * Hv]
+    dev = ops.upload_batch(batch)
+    args = [ops.asarray(x) for x in (q, k, v)]
+    s_fused, s_two = cp.asarray(state0), cp.asarray(state0)
+    fused = ops.gated_delta_rule_with_gates(*args, da, db, cp.asarray(A_log), cp.asarray(dt_bias),
+                                            s_fused, dev)
+    g, beta = ops.gdn_gates(da, db, cp.asarray(A_log), cp.asarray(dt_bias))
+    two = ops.gated_delta_rule(*args, g, beta, s_two, dev)
+    assert ops.to_numpy(fused).tobytes() == ops.to_numpy(two).tobytes()
+    assert s_fused.get().tobytes() == s_two.get().tobytes()
+    ref_state = state0.copy()
+    ref = cpu.gated_delta_rule_with_gates(q, k, v, proj[:, 3:3 + Hv], proj[:, 8 + Hv:8 + 2 * Hv], A_log,
+                                          dt_bias, ref_state, batch)
+    tol = (1e-2, 2e-3) if dt == "bf16" else (1e-5, 1e-5)
+    assert _rel(ops.to_numpy(fused).astype(np.float32), ref) < tol[0]
+    for s in slots:
+        assert _rel(s_fused.get()[s], ref_state[s]) < tol[1]
+
+
 def test_gated_delta_rule_decode_steps_match_prefill(cuda_ops):
     """Prefill 100 tokens in one go == prefill 37 then 63 decode steps (fp32)."""
     import cupy as cp

@@ -106,6 +106,14 @@ class Ops(Protocol):
         Hv value heads (head h uses k head h // (Hv // Hk)). v [T, Hv, Dv] -> o [T, Hv, Dv].
         Multi-token runs use the chunked (WY) form, single tokens the recurrent form."""
 
+    def gated_delta_rule_with_gates(self, q: Array, k: Array, v: Array, a: Array, b: Array,
+                                    A_log: Array, dt_bias: Array, ssm_state: Array,
+                                    batch: ForwardBatch) -> Array:
+        """gdn_gates(a, b, A_log, dt_bias) then gated_delta_rule with them, as one op (a, b
+        [T, Hv] may be column slices of the input projection). Backends without a fused kernel
+        use `compose_gated_delta_rule_with_gates` (the definition)."""
+        return compose_gated_delta_rule_with_gates(self, q, k, v, a, b, A_log, dt_bias, ssm_state, batch)
+
     def gated_rms_norm(self, x: Array, z: Array, w: Array, eps: float) -> Array:
         """rms_norm(x) * w * silu(z) over the last dim (w not zero-centred)."""
 
@@ -127,3 +135,10 @@ def compose_qk_norm_rope_write_kv(ops, q, k, v, q_norm_w, k_norm_w, eps, offset,
     q, k = ops.rope(q, k, positions, inv_freq, rotary_dim)
     ops.write_kv(k, v, k_cache, v_cache, batch)
     return q
+
+
+def compose_gated_delta_rule_with_gates(ops, q, k, v, a, b, A_log, dt_bias, ssm_state, batch):
+    """Ops.gated_delta_rule_with_gates from gdn_gates and gated_delta_rule: the reference
+    semantics, and the fallback outside a fused kernel."""
+    g, beta = ops.gdn_gates(a, b, A_log, dt_bias)
+    return ops.gated_delta_rule(q, k, v, g, beta, ssm_state, batch)

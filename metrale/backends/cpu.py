@@ -10,7 +10,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from metrale.backends.base import compose_qk_norm_rope_write_kv
+from metrale.backends.base import compose_gated_delta_rule_with_gates, compose_qk_norm_rope_write_kv
 from metrale.forward import ForwardBatch
 
 F32 = np.float32
@@ -256,6 +256,9 @@ class CpuOps:
     def gdn_gates(self, a, b, A_log, dt_bias):
         g = -np.exp(_f32(A_log)) * np.logaddexp(F32(0), _f32(a) + _f32(dt_bias))
         return g.astype(F32), _sigmoid(_f32(b))
+
+    def gated_delta_rule_with_gates(self, q, k, v, a, b, A_log, dt_bias, ssm_state, batch):
+        return compose_gated_delta_rule_with_gates(self, q, k, v, a, b, A_log, dt_bias, ssm_state, batch)
 
     def gated_delta_rule(self, q, k, v, g, beta, ssm_state, batch):
         hv = v.shape[1]

@@ -736,6 +736,10 @@ class CudaOps:
     def gated_delta_rule(self, q, k, v, g, beta, ssm_state, batch):
         return self._gdn("gated_delta_rule")(self, q, k, v, g, beta, ssm_state, batch)
 
+    def gated_delta_rule_with_gates(self, q, k, v, a, b, A_log, dt_bias, ssm_state, batch):
+        return self._gdn("gated_delta_rule_with_gates")(self, q, k, v, a, b, A_log, dt_bias, ssm_state,
+                                                         batch)
+
     def gated_rms_norm(self, x, z, w, eps):
         return self._gdn("gated_rms_norm")(self, x, z, w, eps)
 

@@ -203,6 +203,35 @@ def gated_delta_rule(ops, q, k, v, g, beta, ssm_state, batch):
     return o
 
 
+def gated_delta_rule_with_gates(ops, q, k, v, a, b, A_log, dt_bias, ssm_state, batch):
+    """gdn_gates + gated_delta_rule; a decode step (one token per sequence) runs both in one
+    launch (gdn_recurrent_gates_*: the gates computed inside, bit-identical), anything else the
+    two kernels."""
+    from metrale.backends.base import compose_gated_delta_rule_with_gates
+
+    T, Hk, Dk = q.shape
+    _, Hv, Dv = v.shape
+    B = batch.num_seqs
+    fused = (T == B and T > 0 and (Dk, Dv) in GDN_HEAD_DIMS and Hv % Hk == 0
+             and a.dtype == b.dtype == k.dtype == v.dtype == q.dtype and a.shape == b.shape == (T, Hv)
+             and ssm_state.dtype == cp.float32 and ssm_state.flags.c_contiguous
+             and ssm_state.shape[1:] == (Hv, Dk, Dv))
+    if not fused:
+        return compose_gated_delta_rule_with_gates(ops, q, k, v, a, b, A_log, dt_bias, ssm_state, batch)
+    o = _empty(ops, (T, Hv, Dv), q.dtype)
+    q, sq = _token_stride(q, (Hk, Dk))
+    k, sk = _token_stride(k, (Hk, Dk))
+    v, sv = _token_stride(v, (Hv, Dv))
+    a, sa = _token_stride(a, (Hv,))
+    b, sb = _token_stride(b, (Hv,))
+    qsl, seq_lens, slots = _batch_arrays(batch)
+    fn = _kernel(ops, "gdn_delta.cu", f"gdn_recurrent_gates_{Dk}x{Dv}_{_sfx(q)}")
+    fn((Hv, B), (min(256, Dk * Dv // 4),),
+       (q, k, v, sq, sk, sv, a, b, sa, sb, _f32(A_log), _f32(dt_bias), ssm_state, o, qsl, seq_lens,
+        slots, np.int32(Hk), np.int32(Hv)))
+    return o
+
+
 def recurrent_gated_delta_rule(ops, q, k, v, g, beta, ssm_state, batch):
     """The recurrent kernel for any batch (token by token); for tests and tiny batches."""
     T, Hk, Dk = q.shape

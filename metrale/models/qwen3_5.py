@@ -58,8 +58,7 @@ class GatedDeltaNet:
         q = qkv[:, :kd].reshape(t, -1, s.head_k_dim)
         k = qkv[:, kd: 2 * kd].reshape(t, -1, s.head_k_dim)
         v = qkv[:, 2 * kd:].reshape(t, hv, s.head_v_dim)
-        g, beta = ops.gdn_gates(a, b, self.A_log, self.dt_bias)
-        o = ops.gated_delta_rule(q, k, v, g, beta, ssm_state, batch)
+        o = ops.gated_delta_rule_with_gates(q, k, v, a, b, self.A_log, self.dt_bias, ssm_state, batch)
         o = ops.gated_rms_norm(o, z.reshape(t, hv, s.head_v_dim), self.norm, self.eps)
         return ops.linear(o.reshape(t, vd), self.out_proj)
 
