@@ -1,6 +1,6 @@
 """Diagnose SmolLM2 (GGUF) on the GPU against the CPU backend: the chat prompt's first greedy
 tokens and the prefill logits of its last position, under variants that each switch one thing
-off (small KV pool, fp32 activations, simt attention, eager steps without graphs, the whole
+off (small KV pool, simt attention, eager steps without graphs, the whole
 engine vs a bare model forward). Prints one line per variant.
 
     SMOLLM2_GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf python perf/gpu_diag_smollm.py
@@ -67,7 +67,6 @@ def main():
     ref = run("cpu fp32", None, device="cpu")
     run("cuda default", ref, device="cuda")
     run("cuda 64 kv blocks", ref, device="cuda", num_kv_blocks=64)
-    run("cuda float32", ref, device="cuda", dtype="float32")
     run("cuda profile (no graphs)", ref, device="cuda", profile=True)
     import metrale.backends.cuda as c
     orig = c.CudaOps.__init__

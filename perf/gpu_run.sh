@@ -8,7 +8,7 @@
 #   PROFILE="qwen3_5_9b:1,64 ..."  per-kernel decode profiles (perf/decode_profile.py) first
 #   SKIP_TESTS=1 ...  no GPU tests
 #   BUNDLE=1 ...  pack everything under OUTDIR into OUTDIR/bundle.tgz (the device returns 8 files)
-#   MOE_BENCH=1 ...  also the MoE op benchmark (bench_ops.py --moe-only) when SKIP_OPS is set
+#   MOE_BENCH=1 / GEMM_BENCH=1 ...  with SKIP_OPS: just the MoE / decode-GEMM op benchmarks
 #
 # Wheels the GPU image lacks (pyzmq, falcon, gunicorn, orjson) are installed from ./.whl when it
 # exists (fetch them beforehand with ../shared/tools/gpu-wheels.sh from the project root).
@@ -55,10 +55,17 @@ echo "== op benchmarks"
 "$PY" perf/bench_ops.py --out "$OUTDIR" ${QUICK:+--quick} 2>&1 | tee "$OUTDIR/bench_ops.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
-elif [ -n "${MOE_BENCH:-}" ]; then
+else
+if [ -n "${MOE_BENCH:-}" ]; then
 echo "== MoE op benchmark"
 "$PY" perf/bench_ops.py --out "$OUTDIR" --moe-only 2>&1 | tee "$OUTDIR/bench_moe.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+if [ -n "${GEMM_BENCH:-}" ]; then
+echo "== decode GEMM benchmark"
+"$PY" perf/bench_ops.py --out "$OUTDIR" --gemm-only 2>&1 | tee "$OUTDIR/bench_gemm.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
 fi
 
 # the concurrency ladder, engine-only (perf/ladder.py); LADDER="" skips it

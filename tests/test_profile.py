@@ -15,7 +15,8 @@ def test_profile_times_every_op_and_changes_nothing(tmp_path):
     profiled = llm.generate(prompt, params)[0]
     assert profiled.token_ids == plain.token_ids
     ops = llm.core.ops
-    for op in ("linear", "attention", "gated_delta_rule", "causal_conv1d", "add_rms_norm"):
+    for op in ("linear", "attention", "gated_delta_rule_with_gates", "causal_conv1d", "add_rms_norm",
+               "qk_norm_rope_write_kv"):
         assert ops.calls[op] > 0 and ops.seconds[op] > 0, op
     report = ops.report()
     assert report.splitlines()[0].split() == ["op", "calls", "total", "ms", "mean", "us", "share"]

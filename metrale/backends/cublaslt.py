@@ -643,7 +643,8 @@ class LtGemm:
                     log.warning("gemm %s: %s disagrees with cublasGemmEx; not used", key[:8], name)
                     continue
                 s = self._time_graph(call(plan, accumulate), reps, GRAPH_REPLAYS)
-            except (CublasError, cupy.cuda.runtime.CUDARuntimeError, cupy.cuda.driver.CUDADriverError) as e:
+            except (RuntimeError, cupy.cuda.runtime.CUDARuntimeError, cupy.cuda.driver.CUDADriverError) as e:
+                # CublasError, and a failed cuLaunchKernel of our GEMV (metrale.backends.launch)
                 rejected += 1
                 log.debug("gemm %s: %s failed: %s", key[:8], name, e)
                 continue
