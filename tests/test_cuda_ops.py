@@ -251,20 +251,25 @@ def test_write_kv(ops):
     assert np.isnan(kc_h[untouched]).all() and np.isnan(vc_h[untouched]).all()
 
 
-def run_attention(ops, cpu, rng, ctx_lens, q_lens, hq, hk, d, bs, part_tokens=None, simt_ops=None,
-                  q_scale=1.0):
-    """CudaOps.attention (the impl `ops` was built with) vs CpuOps, and, given `simt_ops`, the
-    CUDA-core kernels on the same inputs: each against the CPU reference, and the two against
-    each other (bf16 outputs; differences come from P rounded to bf16 in the mma path)."""
-    batch, nb = paged_batch(rng, ctx_lens, q_lens, bs)
-    # NaN everywhere a sequence has no token: any read past a sequence's end poisons the output
+def poisoned_kv(rng, batch, nb, bs, hk, d):
+    """Paged K/V caches [nb, bs, hk, d] holding bf16-rounded values in every sequence's slots and
+    NaN everywhere else: any read past a sequence's end poisons the output."""
     k = np.full((nb * bs, hk, d), np.nan, np.float32)
     v = np.full((nb * bs, hk, d), np.nan, np.float32)
     for i in range(batch.num_seqs):
         s = seq_slots(batch, i)
         k[s] = f32(rnd(rng, (len(s), hk, d), BF16))
         v[s] = f32(rnd(rng, (len(s), hk, d), BF16))
-    k, v = k.reshape(nb, bs, hk, d), v.reshape(nb, bs, hk, d)
+    return k.reshape(nb, bs, hk, d), v.reshape(nb, bs, hk, d)
+
+
+def run_attention(ops, cpu, rng, ctx_lens, q_lens, hq, hk, d, bs, part_tokens=None, simt_ops=None,
+                  q_scale=1.0):
+    """CudaOps.attention (the impl `ops` was built with) vs CpuOps, and, given `simt_ops`, the
+    CUDA-core kernels on the same inputs: each against the CPU reference, and the two against
+    each other (bf16 outputs; differences come from P rounded to bf16 in the mma path)."""
+    batch, nb = paged_batch(rng, ctx_lens, q_lens, bs)
+    k, v = poisoned_kv(rng, batch, nb, bs, hk, d)
     q = f32(rnd(rng, (batch.num_tokens, hq, d), BF16, q_scale))
     scale = d ** -0.5
     ref = cpu.attention(q, k, v, batch, scale)
@@ -521,13 +526,7 @@ def test_decode_attention_short_contexts(ops, simt_ops, cpu, d, hq, hk, width):
     if width > m:                                   # widen the table (as a decode graph's is)
         extra = np.zeros((batch.num_seqs, width - m), np.int32)
         batch.block_tables = np.concatenate([batch.block_tables, extra], axis=1)
-    k = np.full((nb * bs, hk, d), np.nan, np.float32)
-    v = np.full((nb * bs, hk, d), np.nan, np.float32)
-    for i in range(batch.num_seqs):
-        s = seq_slots(batch, i)
-        k[s] = f32(rnd(rng, (len(s), hk, d), BF16))
-        v[s] = f32(rnd(rng, (len(s), hk, d), BF16))
-    k, v = k.reshape(nb, bs, hk, d), v.reshape(nb, bs, hk, d)
+    k, v = poisoned_kv(rng, batch, nb, bs, hk, d)
     q = f32(rnd(rng, (batch.num_tokens, hq, d), BF16))
     ref = cpu.attention(q, k, v, batch, d ** -0.5)
     for o in (ops, simt_ops):
