@@ -91,7 +91,9 @@ def encode(msg) -> list[bytes]:
         rows = [(d.request_id, d.token_ids, d.finish_reason, d.num_prompt_tokens,
                  d.num_output_tokens, d.num_cached_tokens, d.logprobs, d.error, d.error_status)
                 for d in msg.deltas]
-        return [b"step", orjson.dumps({"frontend_id": msg.frontend_id, "deltas": rows})]
+        # OPT_SERIALIZE_NUMPY: a numpy integer id or float logprob from a sampler serialises too
+        return [b"step", orjson.dumps({"frontend_id": msg.frontend_id, "deltas": rows},
+                                      option=orjson.OPT_SERIALIZE_NUMPY)]
     for kind, cls in _SIMPLE.items():
         if isinstance(msg, cls):
             return [kind, orjson.dumps(asdict(msg))]

@@ -22,6 +22,19 @@ def test_step_output_round_trip_with_logprobs_and_finish():
     assert wire.decode(wire.encode(msg)) == msg
 
 
+def test_step_output_carries_numpy_scalars_and_refuses_malformed_deltas():
+    import numpy as np
+
+    d = wire.TokenDelta("a", (np.int64(5),), None, 3, 1, 0,
+                        ((np.float32(-0.5), ((np.int64(5), np.float64(-0.5)),)),))
+    got = wire.decode(wire.encode(wire.StepOutput("fe", (d,)))).deltas[0]
+    assert got.token_ids == (5,) and got.logprobs == ((-0.5, ((5, -0.5),)),)
+    for bad in (b'{"frontend_id": "fe", "deltas": [["a", [1]]]}',          # too few fields
+                b'{"frontend_id": "fe", "deltas": [[7, [1], null, 0, 0, 0, [], null, 0]]}'):
+        with pytest.raises(ValueError):
+            wire.decode([b"step", bad])
+
+
 def test_simple_messages_and_malformed_frames():
     for m in (wire.Abort("r", "disconnect"), wire.Control("stats", {"x": 1}),
               wire.ControlReply(True, {"ok": 1})):
