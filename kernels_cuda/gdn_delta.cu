@@ -11,7 +11,9 @@
 //   v        T  [T, Hv, DV]  token stride sv
 //   g, beta  f32 [T, Hv]     log decay (<= 0) and write strength, contiguous
 //   state    f32 [slots, Hv, DK, DV]  row state_slots[i]; read unless the sequence starts fresh
-//                            (context_len == 0: zeros), always written back (in place)
+//                            (context_len == 0: zeros), always written back (in place); or f16 /
+//                            bf16 (kernels *_bf16_sf16 / *_bf16_sbf16: --ssm-h-dtype f16-pool /
+//                            bf16-pool), fp32 inside, rounded once per sequence per step
 //   o        T  [T, Hv, DV]  contiguous
 //   qsl      i32 [B+1], seq_lens i32 [B], slots i32 [B]
 //   Value head h reads key head h / (Hv / Hk).
@@ -45,6 +47,41 @@ constexpr int CH = 64;        // chunk length
 constexpr int CNT = 256;      // threads of the chunked kernel
 constexpr float L2_EPS = 1e-6f;
 
+// The pooled state between steps: fp32 (default) or 16-bit (--ssm-h-dtype f16-pool /
+// bf16-pool: half the bytes per slot). Inside a step it is always fp32; a 16-bit pool rounds it
+// once per sequence per step (round to nearest), exactly where the CPU backend stores it.
+__device__ __forceinline__ float4 ld_state4(const float* p, long long i) {
+    return reinterpret_cast<const float4*>(p)[i];
+}
+__device__ __forceinline__ void st_state4(float* p, long long i, float4 v) {
+    reinterpret_cast<float4*>(p)[i] = v;
+}
+__device__ __forceinline__ float4 ld_state4(const __half* p, long long i) {
+    const uint2 u = reinterpret_cast<const uint2*>(p)[i];
+    const __half2 a = *reinterpret_cast<const __half2*>(&u.x), b = *reinterpret_cast<const __half2*>(&u.y);
+    return make_float4(__low2float(a), __high2float(a), __low2float(b), __high2float(b));
+}
+__device__ __forceinline__ void st_state4(__half* p, long long i, float4 v) {
+    const __half2 a = __floats2half2_rn(v.x, v.y), b = __floats2half2_rn(v.z, v.w);
+    uint2 u;
+    u.x = *reinterpret_cast<const unsigned*>(&a);
+    u.y = *reinterpret_cast<const unsigned*>(&b);
+    reinterpret_cast<uint2*>(p)[i] = u;
+}
+__device__ __forceinline__ float4 ld_state4(const __nv_bfloat16* p, long long i) {
+    const uint2 u = reinterpret_cast<const uint2*>(p)[i];
+    const __nv_bfloat162 a = *reinterpret_cast<const __nv_bfloat162*>(&u.x);
+    const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&u.y);
+    return make_float4(__low2float(a), __high2float(a), __low2float(b), __high2float(b));
+}
+__device__ __forceinline__ void st_state4(__nv_bfloat16* p, long long i, float4 v) {
+    const __nv_bfloat162 a = __floats2bfloat162_rn(v.x, v.y), b = __floats2bfloat162_rn(v.z, v.w);
+    uint2 u;
+    u.x = *reinterpret_cast<const unsigned*>(&a);
+    u.y = *reinterpret_cast<const unsigned*>(&b);
+    reinterpret_cast<uint2*>(p)[i] = u;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Recurrent form: any number of tokens per sequence, token by token (used for decode).
 // ---------------------------------------------------------------------------------------------
@@ -68,11 +105,11 @@ template <int DK, int DV> struct RecShape {
 // (token strides sa, sb) with A_log, dt_bias, computed exactly as gdn_gates below does (so the
 // result is bit-identical to gdn_gates + this kernel), instead of from precomputed g, beta:
 // one launch less per GDN layer per decode step.
-template <typename T, int DK, int DV, bool GATES = false>
+template <typename T, int DK, int DV, bool GATES = false, typename SS = float>
 __device__ __forceinline__ void gdn_recurrent(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     long long sq, long long sk, long long sv,
-    const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ state,
+    const float* __restrict__ g, const float* __restrict__ beta, SS* __restrict__ state,
     T* __restrict__ o, const int* __restrict__ qsl, const int* __restrict__ seq_lens,
     const int* __restrict__ slots, int Hk, int Hv,
     const T* __restrict__ ga = nullptr, const T* __restrict__ gb = nullptr, long long sa = 0,
@@ -90,13 +127,13 @@ __device__ __forceinline__ void gdn_recurrent(
     const int t0 = qsl[seq], t1 = qsl[seq + 1];
     const int ctx = seq_lens[seq] - (t1 - t0);
     if (t1 <= t0) return;
-    float4* S = reinterpret_cast<float4*>(state + ((long long)slots[seq] * Hv + h) * DK * DV);
+    SS* S = state + ((long long)slots[seq] * Hv + h) * DK * DV;
     const int cg = tid % CG, rg = tid / CG;
 
     float4 s[RPT];
 #pragma unroll
     for (int r = 0; r < RPT; ++r)
-        s[r] = ctx > 0 ? S[(rg + r * RG) * CG + cg] : make_float4(0.f, 0.f, 0.f, 0.f);
+        s[r] = ctx > 0 ? ld_state4(S, (rg + r * RG) * CG + cg) : make_float4(0.f, 0.f, 0.f, 0.f);
 
     const float scale = rsqrtf((float)DK);
     for (int t = t0; t < t1; ++t) {
@@ -157,7 +194,7 @@ __device__ __forceinline__ void gdn_recurrent(
         }
     }
 #pragma unroll
-    for (int r = 0; r < RPT; ++r) S[(rg + r * RG) * CG + cg] = s[r];
+    for (int r = 0; r < RPT; ++r) st_state4(S, (rg + r * RG) * CG + cg, s[r]);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -220,11 +257,11 @@ template <int DK, int DV> struct ChunkSmem {
     static_assert(TOTAL * 4 <= 232448, "chunk state does not fit in shared memory");
 };
 
-template <typename T, int DK, int DV>
+template <typename T, int DK, int DV, typename SS = float>
 __device__ __forceinline__ void gdn_chunked(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     long long sq, long long sk, long long sv,
-    const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ state,
+    const float* __restrict__ g, const float* __restrict__ beta, SS* __restrict__ state,
     T* __restrict__ o, const int* __restrict__ qsl, const int* __restrict__ seq_lens,
     const int* __restrict__ slots, int Hk, int Hv) {
     using L = ChunkSmem<DK, DV>;
@@ -245,9 +282,9 @@ __device__ __forceinline__ void gdn_chunked(
     const int t0 = qsl[seq], len = qsl[seq + 1] - t0;
     if (len <= 0) return;
     const int ctx = seq_lens[seq] - len;
-    float4* Sg = reinterpret_cast<float4*>(state + ((long long)slots[seq] * Hv + h) * DK * DV);
+    SS* Sg = state + ((long long)slots[seq] * Hv + h) * DK * DV;
     for (int i = tid; i < DK * DV / 4; i += CNT)
-        reinterpret_cast<float4*>(S)[i] = ctx > 0 ? Sg[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+        reinterpret_cast<float4*>(S)[i] = ctx > 0 ? ld_state4(Sg, i) : make_float4(0.f, 0.f, 0.f, 0.f);
     const float scale = rsqrtf((float)DK);
 
     for (int c0 = 0; c0 < len; c0 += CH) {
@@ -401,7 +438,7 @@ __device__ __forceinline__ void gdn_chunked(
         }
         __syncthreads();
     }
-    for (int i = tid; i < DK * DV / 4; i += CNT) Sg[i] = reinterpret_cast<float4*>(S)[i];
+    for (int i = tid; i < DK * DV / 4; i += CNT) st_state4(Sg, i, reinterpret_cast<float4*>(S)[i]);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -424,41 +461,47 @@ __device__ __forceinline__ void gdn_gates(const T* __restrict__ a, const T* __re
 
 }  // namespace
 
-#define GDN_ARGS(T)                                                                                \
+#define GDN_ARGS(T, S)                                                                             \
     const T *q, const T *k, const T *v, long long sq, long long sk, long long sv, const float *g, \
-        const float *beta, float *state, T *o, const int *qsl, const int *seq_lens,                \
+        const float *beta, S *state, T *o, const int *qsl, const int *seq_lens,                    \
         const int *slots, int Hk, int Hv
 #define GDN_PASS q, k, v, sq, sk, sv, g, beta, state, o, qsl, seq_lens, slots, Hk, Hv
 
-#define GDN_INST(T, SUF, DK, DV)                                                                 \
+// NAME: the kernels' suffix: <activations> for an fp32 state pool, <activations>_s<state> for a
+// 16-bit one (gdn_recurrent_128x128_bf16_sf16)
+#define GDN_INST(T, S, NAME, DK, DV)                                                             \
     extern "C" __global__ void __launch_bounds__(RecShape<DK, DV>::NT)                            \
-        gdn_recurrent_##DK##x##DV##_##SUF(GDN_ARGS(T)) {                                         \
-        gdn_recurrent<T, DK, DV>(GDN_PASS);                                                      \
+        gdn_recurrent_##DK##x##DV##_##NAME(GDN_ARGS(T, S)) {                                     \
+        gdn_recurrent<T, DK, DV, false, S>(GDN_PASS);                                            \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(RecShape<DK, DV>::NT)                            \
-        gdn_recurrent_gates_##DK##x##DV##_##SUF(                                                 \
+        gdn_recurrent_gates_##DK##x##DV##_##NAME(                                                \
             const T* q, const T* k, const T* v, long long sq, long long sk, long long sv,        \
             const T* ga, const T* gb, long long sa, long long sb, const float* A_log,            \
-            const float* dt_bias, float* state, T* o, const int* qsl, const int* seq_lens,       \
+            const float* dt_bias, S* state, T* o, const int* qsl, const int* seq_lens,           \
             const int* slots, int Hk, int Hv) {                                                  \
-        gdn_recurrent<T, DK, DV, true>(q, k, v, sq, sk, sv, nullptr, nullptr, state, o, qsl,     \
-                                       seq_lens, slots, Hk, Hv, ga, gb, sa, sb, A_log, dt_bias); \
+        gdn_recurrent<T, DK, DV, true, S>(q, k, v, sq, sk, sv, nullptr, nullptr, state, o, qsl,  \
+                                          seq_lens, slots, Hk, Hv, ga, gb, sa, sb, A_log,        \
+                                          dt_bias);                                              \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(CNT, 1)                                          \
-        gdn_chunked_##DK##x##DV##_##SUF(GDN_ARGS(T)) {                                           \
-        gdn_chunked<T, DK, DV>(GDN_PASS);                                                        \
+        gdn_chunked_##DK##x##DV##_##NAME(GDN_ARGS(T, S)) {                                       \
+        gdn_chunked<T, DK, DV, S>(GDN_PASS);                                                     \
     }
 
-#define GDN_INST_ALL(T, SUF)   \
-    GDN_INST(T, SUF, 16, 16)   \
-    GDN_INST(T, SUF, 32, 32)   \
-    GDN_INST(T, SUF, 64, 64)   \
-    GDN_INST(T, SUF, 128, 128) \
-    GDN_INST(T, SUF, 64, 128)  \
-    GDN_INST(T, SUF, 128, 64)
+#define GDN_INST_ALL(T, S, NAME)   \
+    GDN_INST(T, S, NAME, 16, 16)   \
+    GDN_INST(T, S, NAME, 32, 32)   \
+    GDN_INST(T, S, NAME, 64, 64)   \
+    GDN_INST(T, S, NAME, 128, 128) \
+    GDN_INST(T, S, NAME, 64, 128)  \
+    GDN_INST(T, S, NAME, 128, 64)
 
-GDN_INST_ALL(__nv_bfloat16, bf16)
-GDN_INST_ALL(float, f32)
+GDN_INST_ALL(__nv_bfloat16, float, bf16)
+GDN_INST_ALL(float, float, f32)
+// 16-bit state pools serve the bf16 engine (the CUDA backend's activation dtype)
+GDN_INST_ALL(__nv_bfloat16, __half, bf16_sf16)
+GDN_INST_ALL(__nv_bfloat16, __nv_bfloat16, bf16_sbf16)
 
 #define GATES_INST(T, SUF)                                                                        \
     extern "C" __global__ void gdn_gates_##SUF(const T* a, const T* b, long long sa, long long sb, \

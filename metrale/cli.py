@@ -50,6 +50,8 @@ ENGINE_FLAGS = {
     "--ssm-cache-slots": ("ssm_cache_slots", int, "concurrent SSM snapshot slots"),
     "--ssm-checkpoint-interval": ("ssm_checkpoint_interval", int,
                                   "tokens between GDN state snapshots"),
+    "--ssm-h-dtype": ("ssm_h_dtype", str, "GDN state pool dtype between steps: f32, f16-pool or "
+                      "bf16-pool (half the memory per slot; fp32 inside each step)"),
     "--scheduler": ("scheduler", str, "fifo, or slai (SLO-aware)"),
     "--tbt-deadline-ms": ("tbt_deadline_ms", float, "SLAI decode deadline"),
     "--request-timeout": ("request_timeout", float, "per-request seconds; 0 disables"),

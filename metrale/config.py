@@ -8,6 +8,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+import numpy as np
+
+
+# --ssm-h-dtype: the dtype the GDN recurrent state is pooled in between steps (it is fp32 inside
+# a step either way; a 16-bit pool rounds it once per sequence per step). f16 keeps 3 more bits
+# than bf16 but saturates at 65504; bf16 has fp32's range.
+SSM_H_DTYPES = ("f32", "f16-pool", "bf16-pool")
+
+
+def ssm_pool_dtype(name: str) -> np.dtype:
+    import ml_dtypes
+
+    return {"f32": np.dtype(np.float32), "f16-pool": np.dtype(np.float16),
+            "bf16-pool": np.dtype(ml_dtypes.bfloat16)}[name]
+
 
 class ConfigError(ValueError):
     """A setting out of range: the message names the flag and what is accepted."""
@@ -29,6 +44,7 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     ssm_cache_slots: int = 16
     ssm_checkpoint_interval: int = 256    # tokens between GDN state snapshots
+    ssm_h_dtype: str = "f32"              # GDN state pool: f32 | f16-pool | bf16-pool (half the bytes)
     scheduler: str = "fifo"               # fifo | slai
     tbt_deadline_ms: float = 100.0
     request_timeout: float = 300.0        # seconds, 0 disables
@@ -50,6 +66,9 @@ class EngineConfig:
             raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "bfloat16", "bf16", "float32"):
             raise ConfigError(f"dtype must be auto, bfloat16 or float32, got {self.dtype!r}")
+        if self.ssm_h_dtype not in SSM_H_DTYPES:
+            raise ConfigError(f"--ssm-h-dtype must be one of {', '.join(SSM_H_DTYPES)}, "
+                              f"got {self.ssm_h_dtype!r}")
         if self.scheduler not in ("fifo", "slai"):
             raise ConfigError(f"--scheduler must be fifo or slai, got {self.scheduler!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -18,7 +18,7 @@ from metrale.backends import make_ops
 from metrale.backends.profiling import ProfiledOps
 from metrale.cache.kv import ModelCaches
 from metrale.cache.swap import SwapSpace
-from metrale.config import EngineConfig
+from metrale.config import EngineConfig, ssm_pool_dtype
 from metrale.models.checkpoint import Checkpoint
 from metrale.models.registry import build_model
 from metrale.request import Request
@@ -69,13 +69,14 @@ class EngineCore:
         self.model = build_model(ckpt, self.ops)
         spec = self.model.cache_spec()
         self.hybrid = bool(spec.gdn_layers)
+        self.ssm_dtype = ssm_pool_dtype(self.config.ssm_h_dtype)
         num_slots = max(1, Scheduler.num_state_slots_needed(self.config, self.hybrid))
         num_blocks = self._num_kv_blocks(spec, num_slots)
         # one spare KV block and state row past the scheduler's: padding rows of captured
         # decode graphs write there
         self.caches = ModelCaches(spec, self.ops, num_blocks=num_blocks + 1,
                                   block_size=self.config.block_size,
-                                  num_state_slots=num_slots + 1)
+                                  num_state_slots=num_slots + 1, ssm_dtype=self.ssm_dtype)
         self.swap = SwapSpace.for_caches(self.caches, self.config.swap_space_gb)
         self.scheduler = Scheduler(self.config, num_kv_blocks=num_blocks,
                                    num_state_slots=num_slots, hybrid=self.hybrid, swap=self.swap)
@@ -91,7 +92,7 @@ class EngineCore:
                  "state pool %d rows (%.1f MiB)", ckpt.model_type, self.ops.name, num_blocks,
                  self.config.block_size,
                  num_blocks * spec.kv_bytes_per_block(self.config.block_size, self.ops.dtype) / 2**20,
-                 num_slots, num_slots * spec.state_bytes_per_slot(self.ops.dtype) / 2**20)
+                 num_slots, num_slots * spec.state_bytes_per_slot(self.ops.dtype, self.ssm_dtype) / 2**20)
 
     def _setup_cuda(self, num_blocks: int, num_slots: int) -> None:
         from metrale.backends.cuda_sampling import GpuSampler
@@ -132,7 +133,7 @@ class EngineCore:
         sampler)."""
         cfg = self.config
         free, total = self.ops.cp.cuda.runtime.memGetInfo()
-        state = (num_slots + 1) * spec.state_bytes_per_slot(self.ops.dtype)
+        state = (num_slots + 1) * spec.state_bytes_per_slot(self.ops.dtype, self.ssm_dtype)
         budget = int(total * cfg.gpu_memory_utilization) - (total - free) - state \
             - cfg.oom_guard_mb * 2**20
         log.info("GPU memory: %.1f GiB total, %.1f GiB in use (weights), state pool %.1f MiB, "

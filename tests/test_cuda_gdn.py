@@ -159,7 +159,10 @@ def _gdn_inputs(ops, rng, T, Hk, Hv, Dk, Dv):
     return q, k, v, g, beta
 
 
-def _run_gdn(ops, cpu, dims, lens, ctxs, seed, strided=False, tol_o=1e-2, tol_s=2e-3):
+def _run_gdn(ops, cpu, dims, lens, ctxs, seed, strided=False, tol_o=1e-2, tol_s=2e-3,
+             pool=np.float32):
+    """`pool`: the state pool's dtype (fp32, or f16 / bf16 for --ssm-h-dtype); the CPU runs on
+    a pool of the same dtype, so both round the state at the same points."""
     import cupy as cp
     Hk, Hv, Dk, Dv = dims
     rng = np.random.default_rng(seed)
@@ -167,7 +170,7 @@ def _run_gdn(ops, cpu, dims, lens, ctxs, seed, strided=False, tol_o=1e-2, tol_s=
     batch = _batch(lens, ctxs, slots)
     T = batch.num_tokens
     q, k, v, g, beta = _gdn_inputs(ops, rng, T, Hk, Hv, Dk, Dv)
-    state0 = (rng.standard_normal((2 * len(lens) + 1, Hv, Dk, Dv)) * 0.3).astype(np.float32)
+    state0 = (rng.standard_normal((2 * len(lens) + 1, Hv, Dk, Dv)) * 0.3).astype(pool)
     _garbage_fresh_rows(state0, batch, rng)
     ref_state = state0.copy()
     ref = cpu.gated_delta_rule(q, k, v, g, beta, ref_state, batch)
@@ -190,10 +193,11 @@ def _run_gdn(ops, cpu, dims, lens, ctxs, seed, strided=False, tol_o=1e-2, tol_s=
         rows = slice(batch.query_start_loc[i], batch.query_start_loc[i + 1])
         assert _rel(got[rows], ref[rows]) < tol_o, f"seq {i} len {lens[i]} ctx {ctxs[i]}"
     gs = d_state.get()
+    assert gs.dtype == np.dtype(pool)
     for i in range(batch.num_seqs):
         s = slots[i]
-        assert _rel(gs[s], ref_state[s]) < tol_s, f"state of seq {i}"
-    np.testing.assert_array_equal(gs[0::2], state0[0::2])  # rows nobody owns stay untouched
+        assert _rel(gs[s].astype(np.float32), ref_state[s].astype(np.float32)) < tol_s, f"state of seq {i}"
+    np.testing.assert_array_equal(gs[0::2].view(np.uint8), state0[0::2].view(np.uint8))  # rows nobody owns stay untouched
 
 
 DIMS = [(2, 4, 128, 128), (1, 3, 64, 64), (2, 2, 32, 32), (1, 2, 16, 16), (2, 4, 64, 128),
@@ -266,6 +270,21 @@ def test_gated_delta_rule_with_gates(cuda_ops, cpu, dims, dt, lens):
     assert _rel(ops.to_numpy(fused).astype(np.float32), ref) < tol[0]
     for s in slots:
         assert _rel(s_fused.get()[s], ref_state[s]) < tol[1]
+
+
+@pytest.mark.parametrize("pool", ["f16", "bf16"])
+@pytest.mark.parametrize("case", ["decode", "prefill"])
+@pytest.mark.parametrize("dims", [(2, 4, 128, 128), (1, 3, 64, 64), (2, 4, 64, 128)])
+def test_gated_delta_rule_16bit_state_pool(cuda_ops, cpu, dims, case, pool):
+    """--ssm-h-dtype f16-pool / bf16-pool: the kernels read and write a 16-bit pool (fp32
+    inside), against the CPU on a pool of the same dtype; rows nobody owns stay untouched."""
+    import ml_dtypes
+    dt = np.float16 if pool == "f16" else ml_dtypes.bfloat16
+    lens, ctxs = ([1] * 6, [4, 0, 1, 30, 2, 7]) if case == "decode" else (LENS, CTXS)
+    # a state rounded to 16 bits once per step: the state rel error is that rounding (f16 ~5e-4,
+    # bf16 ~4e-3 per element, on both sides independently)
+    _run_gdn(cuda_ops["bf16"], cpu, dims, lens, ctxs, seed=7, tol_o=1.5e-2,
+             tol_s=2e-3 if pool == "f16" else 1e-2, pool=dt)
 
 
 def test_gated_delta_rule_decode_steps_match_prefill(cuda_ops):

@@ -102,6 +102,19 @@ def _token_stride(x, inner: tuple[int, ...]):
     return x, np.int64(x.strides[0] // isz if x.shape[0] > 1 else int(np.prod(inner)))
 
 
+def _state_kernel_suffix(x, ssm_state) -> str:
+    """The delta-rule kernels' suffix for activations `x` and the state pool's dtype: fp32
+    pools with either activation dtype, 16-bit pools (--ssm-h-dtype f16-pool / bf16-pool) with
+    bf16 activations (the CUDA engine's)."""
+    if ssm_state.dtype == cp.float32:
+        return _sfx(x)
+    name = "sf16" if ssm_state.dtype == np.float16 else ("sbf16" if ssm_state.dtype.name == "bfloat16" else None)
+    if name is None or _sfx(x) != "bf16":
+        raise ValueError(f"ssm_state {ssm_state.dtype} with {x.dtype} activations is not built (fp32 state "
+                         "with either, or an f16 / bf16 state with bf16 activations)")
+    return f"bf16_{name}"
+
+
 def _batch_arrays(batch):
     return (_i32(batch.query_start_loc), _i32(batch.seq_lens), _i32(batch.state_slots))
 
@@ -173,10 +186,10 @@ def gated_delta_rule(ops, q, k, v, g, beta, ssm_state, batch):
                          f"supported: {sorted(GDN_HEAD_DIMS)} (add a GDN_INST line in gdn_delta.cu)")
     if Hv % Hk:
         raise ValueError(f"gated_delta_rule: {Hv} value heads are not a multiple of {Hk} key heads")
-    if (ssm_state.dtype != cp.float32 or not ssm_state.flags.c_contiguous
-            or ssm_state.shape[1:] != (Hv, Dk, Dv)):
-        raise ValueError(f"ssm_state must be contiguous fp32 [slots, {Hv}, {Dk}, {Dv}], got "
+    if not ssm_state.flags.c_contiguous or ssm_state.shape[1:] != (Hv, Dk, Dv):
+        raise ValueError(f"ssm_state must be contiguous [slots, {Hv}, {Dk}, {Dv}], got "
                          f"{ssm_state.dtype} {ssm_state.shape}")
+    sfx = _state_kernel_suffix(q, ssm_state)
     o = _empty(ops, (T, Hv, Dv), q.dtype)
     B = batch.num_seqs
     if T == 0 or B == 0:
@@ -192,13 +205,13 @@ def gated_delta_rule(ops, q, k, v, g, beta, ssm_state, batch):
     args = (q, k, v, sq, sk, sv, g, beta, ssm_state, o, qsl, seq_lens, slots,
             np.int32(Hk), np.int32(Hv))
     if T == B:   # decode: one token per sequence
-        fn = _kernel(ops, "gdn_delta.cu", f"gdn_recurrent_{Dk}x{Dv}_{_sfx(q)}")
+        fn = _kernel(ops, "gdn_delta.cu", f"gdn_recurrent_{Dk}x{Dv}_{sfx}")
         fn((Hv, B), (min(256, Dk * Dv // 4),), args)
     else:
         smem = chunk_smem_bytes(Dk, Dv)
         if smem > SMEM_LIMIT:
             raise ValueError(f"gated_delta_rule: {smem} B of shared memory needed")
-        fn = _kernel(ops, "gdn_delta.cu", f"gdn_chunked_{Dk}x{Dv}_{_sfx(q)}", smem)
+        fn = _kernel(ops, "gdn_delta.cu", f"gdn_chunked_{Dk}x{Dv}_{sfx}", smem)
         fn((Hv, B), (256,), args, shared_mem=smem)
     return o
 
@@ -214,8 +227,7 @@ def gated_delta_rule_with_gates(ops, q, k, v, a, b, A_log, dt_bias, ssm_state, b
     B = batch.num_seqs
     fused = (T == B and T > 0 and (Dk, Dv) in GDN_HEAD_DIMS and Hv % Hk == 0
              and a.dtype == b.dtype == k.dtype == v.dtype == q.dtype and a.shape == b.shape == (T, Hv)
-             and ssm_state.dtype == cp.float32 and ssm_state.flags.c_contiguous
-             and ssm_state.shape[1:] == (Hv, Dk, Dv))
+             and ssm_state.flags.c_contiguous and ssm_state.shape[1:] == (Hv, Dk, Dv))
     if not fused:
         return compose_gated_delta_rule_with_gates(ops, q, k, v, a, b, A_log, dt_bias, ssm_state, batch)
     o = _empty(ops, (T, Hv, Dv), q.dtype)
@@ -225,7 +237,7 @@ def gated_delta_rule_with_gates(ops, q, k, v, a, b, A_log, dt_bias, ssm_state, b
     a, sa = _token_stride(a, (Hv,))
     b, sb = _token_stride(b, (Hv,))
     qsl, seq_lens, slots = _batch_arrays(batch)
-    fn = _kernel(ops, "gdn_delta.cu", f"gdn_recurrent_gates_{Dk}x{Dv}_{_sfx(q)}")
+    fn = _kernel(ops, "gdn_delta.cu", f"gdn_recurrent_gates_{Dk}x{Dv}_{_state_kernel_suffix(q, ssm_state)}")
     fn((Hv, B), (min(256, Dk * Dv // 4),),
        (q, k, v, sq, sk, sv, a, b, sa, sb, _f32(A_log), _f32(dt_bias), ssm_state, o, qsl, seq_lens,
         slots, np.int32(Hk), np.int32(Hv)))
@@ -241,7 +253,7 @@ def recurrent_gated_delta_rule(ops, q, k, v, g, beta, ssm_state, batch):
     k, sk = _token_stride(k, (Hk, Dk))
     v, sv = _token_stride(v, (Hv, Dv))
     qsl, seq_lens, slots = _batch_arrays(batch)
-    fn = _kernel(ops, "gdn_delta.cu", f"gdn_recurrent_{Dk}x{Dv}_{_sfx(q)}")
+    fn = _kernel(ops, "gdn_delta.cu", f"gdn_recurrent_{Dk}x{Dv}_{_state_kernel_suffix(q, ssm_state)}")
     fn((Hv, batch.num_seqs), (min(256, Dk * Dv // 4),),
        (q, k, v, sq, sk, sv, cp.ascontiguousarray(g, dtype=cp.float32),
         cp.ascontiguousarray(beta, dtype=cp.float32), ssm_state, o, qsl, seq_lens, slots,

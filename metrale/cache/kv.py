@@ -5,7 +5,8 @@ A model describes what each layer needs with a `CacheSpec` (one entry per decode
 
     attention layer:  k, v   [num_blocks, block_size, n_kv_heads, head_dim]        (ops.dtype)
     GDN layer:        conv   [num_state_slots, conv_dim, kernel_size - 1]          (ops.dtype)
-                      ssm    [num_state_slots, n_v_heads, head_k_dim, head_v_dim]  (fp32)
+                      ssm    [num_state_slots, n_v_heads, head_k_dim, head_v_dim]  (fp32, or
+                             f16 / bf16 with --ssm-h-dtype f16-pool / bf16-pool)
 
 Block ids and state slots are handed out by the cache managers (block pool, state pool); this
 module only owns the memory and its size accounting, so the engine can size the pools from a
@@ -37,9 +38,9 @@ class GdnSpec:
     head_k_dim: int
     head_v_dim: int
 
-    def bytes_per_slot(self, dtype) -> int:
+    def bytes_per_slot(self, dtype, ssm_dtype=np.float32) -> int:
         conv = self.conv_dim * (self.kernel_size - 1) * np.dtype(dtype).itemsize
-        ssm = self.n_v_heads * self.head_k_dim * self.head_v_dim * 4
+        ssm = self.n_v_heads * self.head_k_dim * self.head_v_dim * np.dtype(ssm_dtype).itemsize
         return conv + ssm
 
 
@@ -60,9 +61,10 @@ class CacheSpec:
         """Bytes one KV block costs across all attention layers (K and V)."""
         return sum(self.layers[i].bytes_per_block(block_size, dtype) for i in self.attention_layers)
 
-    def state_bytes_per_slot(self, dtype) -> int:
-        """Bytes one state slot costs across all GDN layers (conv in `dtype`, ssm in fp32)."""
-        return sum(self.layers[i].bytes_per_slot(dtype) for i in self.gdn_layers)
+    def state_bytes_per_slot(self, dtype, ssm_dtype=np.float32) -> int:
+        """Bytes one state slot costs across all GDN layers (conv in `dtype`, ssm in
+        `ssm_dtype`)."""
+        return sum(self.layers[i].bytes_per_slot(dtype, ssm_dtype) for i in self.gdn_layers)
 
 
 class ModelCaches:
@@ -70,9 +72,10 @@ class ModelCaches:
     layers. `num_blocks` KV blocks of `block_size` tokens; `num_state_slots` GDN state rows."""
 
     def __init__(self, spec: CacheSpec, ops, num_blocks: int, block_size: int,
-                 num_state_slots: int):
+                 num_state_slots: int, ssm_dtype=np.float32):
         self.spec = spec
         self.ops = ops
+        self.ssm_dtype = np.dtype(ssm_dtype)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_state_slots = num_state_slots
@@ -84,7 +87,7 @@ class ModelCaches:
             return self.ops.zeros(shape), self.ops.zeros(shape)
         conv = (self.num_state_slots, layer_spec.conv_dim, layer_spec.kernel_size - 1)
         ssm = (self.num_state_slots, layer_spec.n_v_heads, layer_spec.head_k_dim, layer_spec.head_v_dim)
-        return self.ops.zeros(conv), self.ops.zeros(ssm, dtype=np.float32)
+        return self.ops.zeros(conv), self.ops.zeros(ssm, dtype=self.ssm_dtype)
 
     def kv(self, layer: int) -> tuple:
         """(k_cache, v_cache) of attention layer `layer`."""
@@ -140,7 +143,7 @@ class ModelCaches:
 
     @property
     def state_bytes_per_slot(self) -> int:
-        return self.spec.state_bytes_per_slot(self.ops.dtype)
+        return self.spec.state_bytes_per_slot(self.ops.dtype, self.ssm_dtype)
 
     @property
     def total_bytes(self) -> int:
