@@ -56,35 +56,32 @@ __device__ __forceinline__ float4 ld_state4(const float* p, long long i) {
 __device__ __forceinline__ void st_state4(float* p, long long i, float4 v) {
     reinterpret_cast<float4*>(p)[i] = v;
 }
-__device__ __forceinline__ float4 ld_state4(const __half* p, long long i) {
+// 16-bit pools: four values as two packed pairs (8 bytes), through the pair type's conversions
+template <typename S> struct StatePair;
+template <> struct StatePair<__half> {
+    using P = __half2;
+    static __device__ __forceinline__ P pack(float a, float b) { return __floats2half2_rn(a, b); }
+};
+template <> struct StatePair<__nv_bfloat16> {
+    using P = __nv_bfloat162;
+    static __device__ __forceinline__ P pack(float a, float b) { return __floats2bfloat162_rn(a, b); }
+};
+template <typename S>
+__device__ __forceinline__ float4 ld_state4(const S* p, long long i) {
+    using P = typename StatePair<S>::P;
     const uint2 u = reinterpret_cast<const uint2*>(p)[i];
-    const __half2 a = *reinterpret_cast<const __half2*>(&u.x), b = *reinterpret_cast<const __half2*>(&u.y);
+    const P a = *reinterpret_cast<const P*>(&u.x), b = *reinterpret_cast<const P*>(&u.y);
     return make_float4(__low2float(a), __high2float(a), __low2float(b), __high2float(b));
 }
-__device__ __forceinline__ void st_state4(__half* p, long long i, float4 v) {
-    const __half2 a = __floats2half2_rn(v.x, v.y), b = __floats2half2_rn(v.z, v.w);
-    uint2 u;
-    u.x = *reinterpret_cast<const unsigned*>(&a);
-    u.y = *reinterpret_cast<const unsigned*>(&b);
-    reinterpret_cast<uint2*>(p)[i] = u;
-}
-__device__ __forceinline__ float4 ld_state4(const __nv_bfloat16* p, long long i) {
-    const uint2 u = reinterpret_cast<const uint2*>(p)[i];
-    const __nv_bfloat162 a = *reinterpret_cast<const __nv_bfloat162*>(&u.x);
-    const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&u.y);
-    return make_float4(__low2float(a), __high2float(a), __low2float(b), __high2float(b));
-}
-__device__ __forceinline__ void st_state4(__nv_bfloat16* p, long long i, float4 v) {
-    const __nv_bfloat162 a = __floats2bfloat162_rn(v.x, v.y), b = __floats2bfloat162_rn(v.z, v.w);
+template <typename S>
+__device__ __forceinline__ void st_state4(S* p, long long i, float4 v) {
+    const auto a = StatePair<S>::pack(v.x, v.y), b = StatePair<S>::pack(v.z, v.w);
     uint2 u;
     u.x = *reinterpret_cast<const unsigned*>(&a);
     u.y = *reinterpret_cast<const unsigned*>(&b);
     reinterpret_cast<uint2*>(p)[i] = u;
 }
 
-// ---------------------------------------------------------------------------------------------
-// Recurrent form: any number of tokens per sequence, token by token (used for decode).
-// ---------------------------------------------------------------------------------------------
 // g = -exp(A_log) * softplus(a + dt_bias), torch's softplus (threshold 20)
 template <typename T>
 __device__ __forceinline__ float gate_g(T a, float A_log, float dt_bias) {

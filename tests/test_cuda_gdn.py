@@ -384,9 +384,8 @@ def test_moe(cuda_ops, cpu, dt, T, E, top_k, renorm):
     assert _rel(got[ok], ref[ok]) < (1.5e-2 if dt == "bf16" else 1e-4)
 
 
-def test_moe_deterministic(cuda_ops):
-    ops = cuda_ops["bf16"]
-    rng = np.random.default_rng(11)
+def _moe_twice_bit_equal(ops, seed):
+    rng = np.random.default_rng(seed)
     T, H, I, E = 257, 128, 64, 32
     args = [ops.asarray(a) for a in (rng.standard_normal((T, H)), rng.standard_normal((E, H)),
                                      rng.standard_normal((E, 2 * I, H)) * 0.1,
@@ -394,6 +393,10 @@ def test_moe_deterministic(cuda_ops):
     a = ops.to_numpy(ops.moe(*args, 4, True))
     b = ops.to_numpy(ops.moe(*args, 4, True))
     np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
+def test_moe_deterministic(moe_ops):
+    _moe_twice_bit_equal(moe_ops["simt"], 11)
 
 
 # -- MoE on tensor cores (CudaOps(moe_impl="mma")) vs the CUDA-core kernels vs the CPU spec -----
@@ -521,15 +524,7 @@ def test_moe_mma_35b_a3b(moe_ops, cpu, monkeypatch, T, E, top_k):
 @pytest.mark.parametrize("variant", ["m1", "m4"])
 def test_moe_mma_deterministic(moe_ops, monkeypatch, variant):
     _moe_variant(monkeypatch, variant)
-    ops = moe_ops["mma"]
-    rng = np.random.default_rng(13)
-    T, H, I, E = 257, 128, 64, 32
-    args = [ops.asarray(a) for a in (rng.standard_normal((T, H)), rng.standard_normal((E, H)),
-                                     rng.standard_normal((E, 2 * I, H)) * 0.1,
-                                     rng.standard_normal((E, H, I)) * 0.1)]
-    a = ops.to_numpy(ops.moe(*args, 4, True))
-    b = ops.to_numpy(ops.moe(*args, 4, True))
-    np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+    _moe_twice_bit_equal(moe_ops["mma"], 13)
 
 
 def test_moe_impl_flag_and_f32_fallback(cuda_ops, cpu):
