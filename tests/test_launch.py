@@ -49,6 +49,36 @@ def test_numpy_scalars_pack_as_their_values():
     assert a == b
 
 
+def test_fast_kernel_hands_the_driver_each_value_at_its_param_pointer():
+    """FastKernel.__call__ up to the driver call, on the CPU: a stand-in driver reads every
+    kernelParams pointer back with the argument's C type, as cuLaunchKernel copies them."""
+    from types import SimpleNamespace
+
+    from metrale.backends.launch import FastKernel
+
+    seen = {}
+
+    class Driver:
+        def launch(self, func, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+            types = [ctypes.c_uint64, ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_int32,
+                     ctypes.c_uint64, ctypes.c_uint64, ctypes.c_float, ctypes.c_uint8]
+            seen["values"] = [ctypes.cast(params[i], ctypes.POINTER(t)).contents.value
+                              for i, t in enumerate(types)]
+            seen["launch"] = (func, gx, gy, gz, bx, by, bz, smem, stream, extra)
+            return 0
+
+    raw = SimpleNamespace(kernel=SimpleNamespace(ptr=0xABC), name="k")
+    k = FastKernel(raw, Driver())
+    args = (None, np.int32(-7), np.int64(1 << 40), np.float32(2.5), np.int32(11), np.uint64(2 ** 63 + 3),
+            np.uint64(0), np.float32(-0.125), np.uint8(200))
+    k((3, 2), (128,), args, shared_mem=4096, stream=SimpleNamespace(ptr=77))
+    assert seen["values"] == [0, -7, 1 << 40, 2.5, 11, 2 ** 63 + 3, 0, -0.125, 200]
+    assert seen["launch"] == (0xABC, 3, 2, 1, 128, 1, 1, 4096, 77, None)
+    # the layout is cached per argument types: a second call with new values reuses it
+    k((1,), (1,), args[:1] + (np.int32(5),) + args[2:], stream=SimpleNamespace(ptr=0))
+    assert seen["values"][1] == 5 and len(k._layouts) == 1
+
+
 # -- on the GPU --------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
