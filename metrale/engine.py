@@ -312,10 +312,12 @@ class _Refused(Exception):
 
 
 def _delta(out: RequestOutput) -> wire.TokenDelta:
-    lps = tuple((lp.logprob, tuple(lp.top_logprobs or ())) for lp in out.new_logprobs
-                if lp.logprob is not None)
+    lps = out.new_logprobs
+    if lps:     # per request per step: no generator for the common case of no logprobs
+        lps = tuple((lp.logprob, tuple(lp.top_logprobs or ())) for lp in lps if lp.logprob is not None)
     return wire.TokenDelta(out.request_id, tuple(out.new_token_ids), out.finish_reason,
-                           out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens, lps)
+                           out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens,
+                           lps or ())
 
 
 def default_journal_dir() -> str:
