@@ -6,6 +6,7 @@ serving path.
 
     python perf/decode_profile.py --shape qwen3_5_9b --batch 1,64 --out DIR
 
+First one eager prefill step of ISL tokens at B = 1: wall vs GPU busy (the host time TTFT pays).
 Per batch size: B requests of ISL prompt tokens are prefilled, then STEPS steady decode steps
 are timed (wall) and PROF steps profiled. Reported per step: wall ms, GPU busy ms (sum of kernel
 durations), GPU span ms (first kernel start to last kernel end), and the kernels by total time
@@ -50,6 +51,37 @@ def steady_decode(core, batch: int, isl: int, vocab: int, rng):
     for _ in range(5):   # graphs captured, pools warm
         core.step()
     return rids
+
+
+def profile_prefill(core, isl: int, vocab: int, rng, reps: int = 5) -> dict:
+    """One eager prefill step of `isl` tokens (B = 1): its wall time against the GPU's busy
+    time in it. The difference is host time, mostly kernel launches (prefill steps are not
+    graphed), which is what TTFT pays."""
+    import cupy as cp
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from metrale.request import Request
+    from metrale.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    walls, busy = [], []
+    for rep in range(reps + 1):           # the first one warms up
+        ids = [int(t) for t in rng.integers(100, vocab - 100, isl)]
+        core.add_request(Request(f"prefill-{rep}-{time.perf_counter()}", ids, params))
+        cp.cuda.runtime.deviceSynchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            core.step()
+            walls.append(time.perf_counter() - t0)
+            cp.cuda.runtime.deviceSynchronize()
+        while core.has_unfinished():
+            core.step()
+        busy.append(sum(e.time_range.elapsed_us() for e in prof.events()
+                        if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6)
+    walls, busy = walls[1:], busy[1:]
+    return dict(isl=isl, wall_ms_p50=1e3 * statistics.median(walls),
+                gpu_busy_ms_p50=1e3 * statistics.median(busy))
 
 
 def profile_batch(core, batch: int, args, vocab: int, rng) -> dict:
@@ -118,6 +150,9 @@ def main() -> int:
                                          seed=0))
     import numpy as np
     rng = np.random.default_rng(0)
+    prefill = profile_prefill(core, args.isl, cfg["vocab_size"], rng)
+    print(f"{args.shape} prefill of {args.isl} tokens: wall {prefill['wall_ms_p50']:.2f} ms, GPU busy "
+          f"{prefill['gpu_busy_ms_p50']:.2f} ms (the rest is host time: launches)")
     results = []
     for b in batches:
         r = profile_batch(core, b, args, cfg["vocab_size"], rng)
@@ -137,7 +172,8 @@ def main() -> int:
     path.write_text(json.dumps(dict(
         commit=git_commit(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
         device=cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), shape=args.shape,
-        model_config=SHAPES[args.shape], isl=args.isl, copy_bandwidth_Bps=bw, results=results),
+        model_config=SHAPES[args.shape], isl=args.isl, copy_bandwidth_Bps=bw, prefill=prefill,
+        results=results),
         indent=1))
     print(f"wrote {path}")
     return 0
