@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import requests
@@ -79,6 +80,18 @@ class Server:
         self.proc = subprocess.Popen([sys.executable, "-m", "metrale.cli", *self.args],
                                      cwd=REPO, env=full_env, stdout=self.log,
                                      stderr=subprocess.STDOUT)
+
+    @contextmanager
+    def serving(self, timeout: float = 180.0, workers: int = 0):
+        """Healthy (and `workers` frontend workers with the model) inside the block, stopped
+        after it: a module fixture is `with Server(...).serving() as srv: yield srv`."""
+        try:
+            self.wait_healthy(timeout)
+            if workers:
+                self.wait_workers_ready(workers)
+            yield self
+        finally:
+            self.stop()
 
     def wait_healthy(self, timeout: float = 180.0) -> "Server":
         deadline = time.monotonic() + timeout

@@ -28,14 +28,10 @@ TOOLS = [WEATHER, TIME]
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("anthropic")
     path = make_scripted_model(root / "model", SCRIPTS)
-    srv = Server(["serve", path, "--model-name", MODEL, "--frontends", "1", "--max-seq-len",
-                  "2048", "--no-event-log", "--tool-call-parser", "hermes", "--require-auth",
-                  "--auth-token", KEY], root / "serve.log")
-    try:
-        srv.wait_healthy(180)
+    with Server(["serve", path, "--model-name", MODEL, "--frontends", "1", "--max-seq-len",
+                 "2048", "--no-event-log", "--tool-call-parser", "hermes", "--require-auth",
+                 "--auth-token", KEY], root / "serve.log").serving(180) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -21,15 +21,10 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     logs = tmp_path_factory.mktemp("api")
-    srv = Server(["serve", str(smollm2_gguf_path()), "--model-name", MODEL, "--frontends", "2",
-                  "--max-seq-len", "512", "--no-event-log"], logs / "serve.log",
-                 env={"METRALE_MAX_BODY_BYTES": str(MAX_BODY)})
-    try:
-        srv.wait_healthy(300)
-        srv.wait_workers_ready(2)
+    with Server(["serve", str(smollm2_gguf_path()), "--model-name", MODEL, "--frontends", "2",
+                 "--max-seq-len", "512", "--no-event-log"], logs / "serve.log",
+                env={"METRALE_MAX_BODY_BYTES": str(MAX_BODY)}).serving(300, workers=2) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -36,13 +36,11 @@ def server(tmp_path_factory):
     srv = Server(["serve", str(smollm2_gguf_path()), "--model-name", MODEL, "--device", "cuda",
                   "--frontends", "2", "--max-seq-len", "1024", "--max-batch-size", "16",
                   "--no-event-log"], logs / "serve.log")
-    try:
-        srv.wait_healthy(600)
-        srv.wait_workers_ready(2)
-        yield srv
-    finally:
-        print(srv.tail(3000))
-        srv.stop()
+    with srv.serving(600, workers=2):
+        try:
+            yield srv
+        finally:
+            print(srv.tail(3000))   # the engine's startup log (sizes, graphs) in the GPU run's log
 
 
 def _chat(url, **kw):

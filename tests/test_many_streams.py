@@ -18,15 +18,10 @@ NUM_STREAMS = 512
 def server(tmp_path_factory):
     model = make_tiny_chat_model(tmp_path_factory.mktemp("tiny") / "tiny-llama")
     logs = tmp_path_factory.mktemp("serve")
-    srv = Server(["serve", str(model), "--frontends", "2", "--max-batch-size", "128",
-                  "--max-num-seqs", str(NUM_STREAMS), "--max-seq-len", "256",
-                  "--no-event-log"], logs / "serve.log")
-    try:
-        srv.wait_healthy()
-        srv.wait_workers_ready(2)
+    with Server(["serve", str(model), "--frontends", "2", "--max-batch-size", "128",
+                 "--max-num-seqs", str(NUM_STREAMS), "--max-seq-len", "256",
+                 "--no-event-log"], logs / "serve.log").serving(workers=2) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 async def _stream(client: httpx.AsyncClient, url: str, model: str, i: int,

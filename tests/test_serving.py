@@ -29,15 +29,10 @@ def tiny_model(tmp_path_factory):
 def server(tiny_model, tmp_path_factory):
     """2 frontend workers, room for 64 concurrent sequences."""
     logs = tmp_path_factory.mktemp("serve")
-    srv = Server(["serve", str(tiny_model), "--frontends", "2", "--max-batch-size", "64",
-                  "--max-num-seqs", "96", "--max-seq-len", "4096",
-                  "--event-log", str(logs / "events")], logs / "serve.log")
-    try:
-        srv.wait_healthy()
-        srv.wait_workers_ready(2)
+    with Server(["serve", str(tiny_model), "--frontends", "2", "--max-batch-size", "64",
+                 "--max-num-seqs", "96", "--max-seq-len", "4096",
+                 "--event-log", str(logs / "events")], logs / "serve.log").serving(workers=2) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def _client(srv, cls=openai.OpenAI):
