@@ -7,6 +7,7 @@ engine vs a bare model forward). Prints one line per variant.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -27,17 +28,9 @@ def bare_logits(llm, ids):
     core = llm.core
     bs = core.config.block_size
     batch = contiguous_batch([ids], [0], [list(range(len(ids) // bs + 1))], [0], bs, all_logits=True)
-    with getattr(core, "stream", None) or _null():
+    with getattr(core, "stream", None) or contextlib.nullcontext():
         out = core.model.forward(core.ops.upload_batch(batch), core.caches)
     return np.asarray(core.ops.to_numpy(out), np.float32)
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def run(name, ref_logits, **kw):

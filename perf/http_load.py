@@ -21,8 +21,8 @@ except ImportError:   # the ladder still runs, a little heavier on the client
     _loads = _json.loads
 
 
-async def _stream_one(host: str, port: int, path: str, body: bytes):
-    """(t0, first text token time, last text token time, completion tokens) of one request."""
+async def _connect(host: str, port: int, path: str, body: bytes):
+    """An open connection and the request to send on it: (reader, writer, request bytes)."""
     reader, writer = await asyncio.open_connection(host, port, limit=1 << 20)
     head = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nAccept: text/event-stream\r\nConnection: close\r\n\r\n")
@@ -30,6 +30,7 @@ async def _stream_one(host: str, port: int, path: str, body: bytes):
 
 
 async def _run(reader, writer, request: bytes):
+    """(t0, first text token time, last text token time, completion tokens) of one request."""
     t0 = time.perf_counter()
     writer.write(request)
     await writer.drain()
@@ -82,7 +83,7 @@ async def _run(reader, writer, request: bytes):
 
 
 async def _worker_main(host, port, path, bodies, start, results):
-    conns = [await _stream_one(host, port, path, b) for b in bodies]
+    conns = [await _connect(host, port, path, b) for b in bodies]
     results.put(("ready", None))
     while not start.is_set():          # a process-shared Event; poll without blocking the loop
         await asyncio.sleep(0.0005)

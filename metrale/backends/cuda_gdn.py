@@ -176,10 +176,8 @@ def chunk_smem_bytes(dk: int, dv: int) -> int:
     return 4 * (dk * dv + 3 * c * (dk + 1) + c * (dv + 1) + c * (c + 1) + 2 * c)
 
 
-def gated_delta_rule(ops, q, k, v, g, beta, ssm_state, batch):
-    """The gated delta rule per sequence from/into ssm_state[state_slots[i]] (fp32): the
-    recurrent kernel when every sequence adds one token (decode), the chunked one otherwise."""
-    T, Hk, Dk = q.shape
+def _check_delta_rule(q, v, ssm_state) -> None:
+    _, Hk, Dk = q.shape
     _, Hv, Dv = v.shape
     if (Dk, Dv) not in GDN_HEAD_DIMS:
         raise ValueError(f"gated_delta_rule: head dims (k {Dk}, v {Dv}) are not built; "
@@ -189,24 +187,46 @@ def gated_delta_rule(ops, q, k, v, g, beta, ssm_state, batch):
     if not ssm_state.flags.c_contiguous or ssm_state.shape[1:] != (Hv, Dk, Dv):
         raise ValueError(f"ssm_state must be contiguous [slots, {Hv}, {Dk}, {Dv}], got "
                          f"{ssm_state.dtype} {ssm_state.shape}")
-    sfx = _state_kernel_suffix(q, ssm_state)
-    o = _empty(ops, (T, Hv, Dv), q.dtype)
-    B = batch.num_seqs
-    if T == 0 or B == 0:
-        return o
+
+
+def _qkv_operands(q, k, v):
+    """(q, k, v, sq, sk, sv): k and v in q's dtype, each with its token stride (heads
+    contiguous: column slices of the input projection are read in place)."""
+    _, Hk, Dk = q.shape
+    _, Hv, Dv = v.shape
     k = k if k.dtype == q.dtype else k.astype(q.dtype)
     v = v if v.dtype == q.dtype else v.astype(q.dtype)
     q, sq = _token_stride(q, (Hk, Dk))
     k, sk = _token_stride(k, (Hk, Dk))
     v, sv = _token_stride(v, (Hv, Dv))
+    return q, k, v, sq, sk, sv
+
+
+def _recurrent_block(Dk: int, Dv: int) -> tuple[int]:
+    return (min(256, Dk * Dv // 4),)    # RecShape<DK, DV>::NT in gdn_delta.cu
+
+
+def gated_delta_rule(ops, q, k, v, g, beta, ssm_state, batch):
+    """The gated delta rule per sequence from/into ssm_state[state_slots[i]] (fp32, or a
+    16-bit pool): the recurrent kernel when every sequence adds one token (decode), the
+    chunked one otherwise."""
+    T, Hk, Dk = q.shape
+    _, Hv, Dv = v.shape
+    _check_delta_rule(q, v, ssm_state)
+    sfx = _state_kernel_suffix(q, ssm_state)
+    o = _empty(ops, (T, Hv, Dv), q.dtype)
+    B = batch.num_seqs
+    if T == 0 or B == 0:
+        return o
     g = cp.ascontiguousarray(g, dtype=cp.float32)
     beta = cp.ascontiguousarray(beta, dtype=cp.float32)
+    q, k, v, sq, sk, sv = _qkv_operands(q, k, v)
     qsl, seq_lens, slots = _batch_arrays(batch)
     args = (q, k, v, sq, sk, sv, g, beta, ssm_state, o, qsl, seq_lens, slots,
             np.int32(Hk), np.int32(Hv))
     if T == B:   # decode: one token per sequence
         fn = _kernel(ops, "gdn_delta.cu", f"gdn_recurrent_{Dk}x{Dv}_{sfx}")
-        fn((Hv, B), (min(256, Dk * Dv // 4),), args)
+        fn((Hv, B), _recurrent_block(Dk, Dv), args)
     else:
         smem = chunk_smem_bytes(Dk, Dv)
         if smem > SMEM_LIMIT:
@@ -225,20 +245,16 @@ def gated_delta_rule_with_gates(ops, q, k, v, a, b, A_log, dt_bias, ssm_state, b
     T, Hk, Dk = q.shape
     _, Hv, Dv = v.shape
     B = batch.num_seqs
-    fused = (T == B and T > 0 and (Dk, Dv) in GDN_HEAD_DIMS and Hv % Hk == 0
-             and a.dtype == b.dtype == k.dtype == v.dtype == q.dtype and a.shape == b.shape == (T, Hv)
-             and ssm_state.flags.c_contiguous and ssm_state.shape[1:] == (Hv, Dk, Dv))
-    if not fused:
+    if not (T == B and T > 0 and a.dtype == b.dtype == q.dtype and a.shape == b.shape == (T, Hv)):
         return compose_gated_delta_rule_with_gates(ops, q, k, v, a, b, A_log, dt_bias, ssm_state, batch)
+    _check_delta_rule(q, v, ssm_state)
     o = _empty(ops, (T, Hv, Dv), q.dtype)
-    q, sq = _token_stride(q, (Hk, Dk))
-    k, sk = _token_stride(k, (Hk, Dk))
-    v, sv = _token_stride(v, (Hv, Dv))
+    q, k, v, sq, sk, sv = _qkv_operands(q, k, v)
     a, sa = _token_stride(a, (Hv,))
     b, sb = _token_stride(b, (Hv,))
     qsl, seq_lens, slots = _batch_arrays(batch)
     fn = _kernel(ops, "gdn_delta.cu", f"gdn_recurrent_gates_{Dk}x{Dv}_{_state_kernel_suffix(q, ssm_state)}")
-    fn((Hv, B), (min(256, Dk * Dv // 4),),
+    fn((Hv, B), _recurrent_block(Dk, Dv),
        (q, k, v, sq, sk, sv, a, b, sa, sb, _f32(A_log), _f32(dt_bias), ssm_state, o, qsl, seq_lens,
         slots, np.int32(Hk), np.int32(Hv)))
     return o
@@ -249,12 +265,10 @@ def recurrent_gated_delta_rule(ops, q, k, v, g, beta, ssm_state, batch):
     T, Hk, Dk = q.shape
     _, Hv, Dv = v.shape
     o = _empty(ops, (T, Hv, Dv), q.dtype)
-    q, sq = _token_stride(q, (Hk, Dk))
-    k, sk = _token_stride(k, (Hk, Dk))
-    v, sv = _token_stride(v, (Hv, Dv))
+    q, k, v, sq, sk, sv = _qkv_operands(q, k, v)
     qsl, seq_lens, slots = _batch_arrays(batch)
     fn = _kernel(ops, "gdn_delta.cu", f"gdn_recurrent_{Dk}x{Dv}_{_state_kernel_suffix(q, ssm_state)}")
-    fn((Hv, batch.num_seqs), (min(256, Dk * Dv // 4),),
+    fn((Hv, batch.num_seqs), _recurrent_block(Dk, Dv),
        (q, k, v, sq, sk, sv, cp.ascontiguousarray(g, dtype=cp.float32),
         cp.ascontiguousarray(beta, dtype=cp.float32), ssm_state, o, qsl, seq_lens, slots,
         np.int32(Hk), np.int32(Hv)))

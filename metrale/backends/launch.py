@@ -87,10 +87,14 @@ class FastKernel:
     Same call as the RawKernel: k(grid, block, args, shared_mem=0, stream=None)."""
 
     def __init__(self, raw, driver: _Driver):
+        import cupy
+
         self.raw = raw
         self._driver = driver
         self._func = None
         self._layouts: dict = {}
+        self._ndarray = cupy.ndarray
+        self._current_stream = cupy.cuda.get_current_stream
 
     def __getattr__(self, name):          # name, attributes, num_regs, ...: the RawKernel's
         return getattr(self.raw, name)
@@ -107,11 +111,9 @@ class FastKernel:
         key = tuple(type(a) for a in args)
         lay = self._layouts.get(key)
         if lay is None and key not in self._layouts:
-            import cupy
-
             codes, ptrs = [], []
             for i, a in enumerate(args):
-                if a is None or isinstance(a, cupy.ndarray):
+                if a is None or isinstance(a, self._ndarray):
                     codes.append(_POINTER)
                     ptrs.append(i)
                 elif isinstance(a, np.generic) and a.dtype in _FORMATS:
@@ -135,9 +137,7 @@ class FastKernel:
                 args[i] = 0 if a is None else a.data.ptr
         struct.pack_into(lay.fmt, lay.buf, 0, *args)
         if stream is None:
-            import cupy
-
-            stream = cupy.cuda.get_current_stream()
+            stream = self._current_stream()
         g = tuple(grid) + (1, 1)
         b = tuple(block) + (1, 1)
         status = self._driver.launch(self._func, g[0], g[1], g[2], b[0], b[1], b[2], shared_mem,
