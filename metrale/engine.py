@@ -81,6 +81,7 @@ class EngineServer:
         self.live: dict[str, _Live] = {}
         self.frontends: dict[str, float] = {}
         self.running = True
+        self._log_steps = log.isEnabledFor(logging.DEBUG)   # each step's size and time
         self._bind()
 
     # -- sockets ----------------------------------------------------------------------------
@@ -140,6 +141,11 @@ class EngineServer:
         goes on serving."""
         try:
             outputs = self.core.step()
+            if self._log_steps:
+                st = self.core.last_step
+                if st is not None:
+                    log.debug("step: %d seqs, %d tokens, %.3f ms", st.num_seqs, st.num_tokens,
+                              1e3 * st.seconds)
         except Exception:
             log.exception("engine step failed; failing the %d requests in flight", len(self.live))
             self._fail_in_flight("the engine failed while running this request's batch "
@@ -266,6 +272,9 @@ class EngineServer:
             self.emit("RequestFinished", **record)
         requests_log.info(orjson.dumps({
             "model": self.model_info.get("name"), "request_id": out.request_id,
+            # when the engine took the request in, as a Unix time (µs): with the client's own
+            # send time it separates the frontend's share of a TTFT from the engine's
+            "arrival": round(time.time() - (now - live.arrival), 6),
             "prompt_tokens": out.num_prompt_tokens, "generated_tokens": out.num_output_tokens,
             "cached_tokens": out.num_cached_tokens,
             "ttft_ms": None if ttft is None else round(ttft * 1000, 2),

@@ -30,11 +30,13 @@ async def _connect(host: str, port: int, path: str, body: bytes):
 
 
 async def _run(reader, writer, request: bytes):
-    """(t0, first text token time, last text token time, completion tokens) of one request."""
+    """(t0, first text token time, last text token time, completion tokens, response head
+    time) of one request; times are time.perf_counter() (CLOCK_MONOTONIC, shared by processes)."""
     t0 = time.perf_counter()
     writer.write(request)
     await writer.drain()
     status = await reader.readline()
+    head_at = time.perf_counter()
     headers = {}
     while True:
         line = await reader.readline()
@@ -79,7 +81,7 @@ async def _run(reader, writer, request: bytes):
             if chunk.get("usage"):
                 usage = chunk["usage"]["completion_tokens"]
     writer.close()
-    return t0, first, last, usage
+    return t0, first, last, usage, head_at
 
 
 async def _worker_main(host, port, path, bodies, start, results):

@@ -204,10 +204,46 @@ def write_model_folder(shape: str, folder: Path) -> Path:
     return folder
 
 
+def ttft_split(log_path: Path | None, res: list[tuple]) -> dict:
+    """Where a rung's TTFT went, from the engine's request log (its `arrival` Unix time and
+    `ttft_ms` per request) against the clients' send and first-token times: p50 of inbound
+    (client send -> engine admits it: HTTP, frontend, ZeroMQ, and waiting for the engine's
+    current step), engine (admitted -> first token sampled) and outbound (sampled -> the
+    client reads it), and of the response head's arrival. Requests are paired in arrival order."""
+    if log_path is None or not log_path.exists():
+        return {}
+    offset = time.time() - time.perf_counter()   # Unix time - CLOCK_MONOTONIC, this machine
+    lo, hi = min(r[0] for r in res) - 0.5, max(r[2] for r in res) + 0.5
+    engine = []
+    for line in log_path.read_text(errors="replace").splitlines():
+        at = line.find('{"model"')
+        if "metrale.requests" not in line or at < 0:
+            continue
+        try:
+            rec = json.loads(line[at:])
+        except ValueError:
+            continue
+        if rec.get("arrival") is None or rec.get("ttft_ms") is None:
+            continue
+        arrival = rec["arrival"] - offset
+        if lo <= arrival <= hi:
+            engine.append((arrival, arrival + rec["ttft_ms"] / 1e3))
+    if len(engine) != len(res):
+        return {}
+    engine.sort()
+    clients = sorted(res)
+    med = lambda xs: round(1e3 * statistics.median(xs), 3)  # noqa: E731
+    return dict(inbound_ms=med([e[0] - c[0] for e, c in zip(engine, clients)]),
+                engine_ms=med([e[1] - e[0] for e in engine]),
+                outbound_ms=med([c[1] - e[1] for e, c in zip(engine, clients)]),
+                head_ms=med([c[4] - c[0] for c in clients]))
+
+
 def run_http_rung(base: str, model: str, conc: int, isl: int, osl: int, vocab: int, rng,
-                  procs: int = 4) -> dict:
+                  procs: int = 4, log_path: Path | None = None) -> dict:
     """One rung through the server: C streamed completions from `procs` client processes
-    (perf/http_load.py), all started together; figures as run_rung's."""
+    (perf/http_load.py), all started together; figures as run_rung's, and the TTFT's split
+    between the frontend and the engine when the server's log is at `log_path`."""
     from urllib.parse import urlsplit
 
     from perf.http_load import run_load
@@ -227,7 +263,7 @@ def run_http_rung(base: str, model: str, conc: int, isl: int, osl: int, vocab: i
     itl = [(r[2] - r[1]) / max(1, osl - 1) for r in res]
     return dict(tok_s=tokens / wall, wall_s=wall, ttft_p50_ms=1e3 * statistics.median(ttft),
                 itl_p50_ms=1e3 * statistics.median(itl), decode_step_p50_ms=None,
-                completion_tokens=tokens)
+                completion_tokens=tokens, ttft_split=ttft_split(log_path, res))
 
 
 def start_server(folder: Path, args, max_conc: int, port: int):
@@ -383,15 +419,18 @@ def main_http(args) -> int:
             run_http_rung(base, model, conc, args.isl, args.osl, vocab, rng,
                           args.client_procs)   # warm-up
             reps = [run_http_rung(base, model, conc, args.isl, args.osl, vocab, rng,
-                                  args.client_procs) for _ in range(args.reps)]
+                                  args.client_procs, proc.log_path) for _ in range(args.reps)]
             row = dict(concurrency=conc, tok_s=statistics.mean(r["tok_s"] for r in reps),
                        tok_s_reps=[r["tok_s"] for r in reps],
                        ttft_p50_ms=statistics.median(r["ttft_p50_ms"] for r in reps),
                        itl_p50_ms=statistics.median(r["itl_p50_ms"] for r in reps),
-                       completion_tokens=[r["completion_tokens"] for r in reps])
+                       completion_tokens=[r["completion_tokens"] for r in reps],
+                       ttft_split_reps=[r["ttft_split"] for r in reps])
             results.append(row)
+            split = "  ".join(f"{k[:-3]} {v:.1f}" for k, v in reps[-1]["ttft_split"].items())
             print(f"http {args.shape} C={conc:4d}  {row['tok_s']:10.1f} tok/s  TTFT p50 "
-                  f"{row['ttft_p50_ms']:8.1f} ms  ITL p50 {row['itl_p50_ms']:7.2f} ms", flush=True)
+                  f"{row['ttft_p50_ms']:8.1f} ms  ITL p50 {row['itl_p50_ms']:7.2f} ms"
+                  f"{'  TTFT ms: ' + split if split else ''}", flush=True)
     except BaseException:
         print(f"--- met serve log ({proc.log_path}), last lines:\n{_tail(proc.log_path)}", flush=True)
         raise
