@@ -53,6 +53,8 @@ ENGINE_FLAGS = {
     "--ssm-h-dtype": ("ssm_h_dtype", str, "GDN state pool dtype between steps: f32, f16-pool or "
                       "bf16-pool (half the memory per slot; fp32 inside each step)"),
     "--scheduler": ("scheduler", str, "fifo, or slai (SLO-aware)"),
+    "--warmup": ("warmup", str, "startup warm-up steps (kernels loaded, activation pool grown to "
+                 "a --max-prefill-tokens prefill): auto (on for cuda), on or off"),
     "--tbt-deadline-ms": ("tbt_deadline_ms", float, "SLAI decode deadline"),
     "--request-timeout": ("request_timeout", float, "per-request seconds; 0 disables"),
     "--swap-space-gb": ("swap_space_gb", float, "disk-backed KV swap"),

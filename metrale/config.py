@@ -53,6 +53,7 @@ class EngineConfig:
     default_min_p: float = 0.0
     default_top_n_sigma: float = 0.0
     profile: bool = False
+    warmup: str = "auto"                  # startup warm-up: auto (on for cuda) | on | off
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -69,6 +70,8 @@ class EngineConfig:
         if self.ssm_h_dtype not in SSM_H_DTYPES:
             raise ConfigError(f"--ssm-h-dtype must be one of {', '.join(SSM_H_DTYPES)}, "
                               f"got {self.ssm_h_dtype!r}")
+        if self.warmup not in ("auto", "on", "off"):
+            raise ConfigError(f"--warmup must be auto, on or off, got {self.warmup!r}")
         if self.scheduler not in ("fifo", "slai"):
             raise ConfigError(f"--scheduler must be fifo or slai, got {self.scheduler!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -78,16 +78,18 @@ class EngineCore:
                                   block_size=self.config.block_size,
                                   num_state_slots=num_slots + 1, ssm_dtype=self.ssm_dtype)
         self.swap = SwapSpace.for_caches(self.caches, self.config.swap_space_gb)
-        self.scheduler = Scheduler(self.config, num_kv_blocks=num_blocks,
-                                   num_state_slots=num_slots, hybrid=self.hybrid, swap=self.swap)
+        self._num_blocks, self._num_slots = num_blocks, num_slots
+        self.scheduler = self._new_scheduler()
         self.runner = ModelRunner(self.model, self.ops, self.caches, self.config.block_size,
                                   seed=self.config.seed)
         self.runner.swap = self.swap
-        if self.ops.name == "cuda":
-            self._setup_cuda(num_blocks, num_slots)
         self.eos_token_ids: frozenset[int] = frozenset()
         self.last_step: StepStats | None = None
         self.num_steps = 0
+        if self.ops.name == "cuda":
+            self._setup_cuda(num_blocks, num_slots)
+        if self.config.warmup == "on" or (self.config.warmup == "auto" and self.ops.name == "cuda"):
+            self._warm_up()
         log.info("engine ready: %s on %s; KV pool %d blocks x %d tokens (%.1f MiB), "
                  "state pool %d rows (%.1f MiB)", ckpt.model_type, self.ops.name, num_blocks,
                  self.config.block_size,
@@ -112,6 +114,76 @@ class EngineCore:
         self.runner.graphs = graphs
         log.info("captured %d decode graphs (batch buckets %s)", len(graphs.graphs),
                  sorted(graphs.graphs))
+
+    def _new_scheduler(self) -> Scheduler:
+        return Scheduler(self.config, num_kv_blocks=self._num_blocks,
+                         num_state_slots=self._num_slots, hybrid=self.hybrid, swap=self.swap)
+
+    def _warm_up(self) -> None:
+        """Run, before any client does, what a server's first steps would otherwise pay for:
+        kernel modules loaded (and compiled on a cold cache), CuPy's own kernels (the gather
+        and scatter of a multi-sequence step, the sampler's prompt marks) compiled, and the
+        activation pool grown to its peak, a prefill of --max-prefill-tokens tokens. Measured
+        on the H200 without it (SmolLM2-135M): the first request took 1.9 s to its first token,
+        the first 3-sequence prefill 126 ms (an NVRTC compile), and each first step of a new
+        token count 15 ms more than the next ones (cudaMalloc as the pool grew).
+
+        Steps: the prefill budget split over a few sequences (one of them sampling with every
+        option: top-k/p, min-p, penalties, a seed, logprobs), then one mixed step (their decodes
+        and a new short prompt). The scheduler is then rebuilt (empty queue, free blocks, empty
+        prefix cache) and the sampler's seed stream rewound, so serving starts as if this had
+        not run. Running out of memory here is the activations not fitting: the error names the
+        flags to change."""
+        from metrale.sampling import SamplingParams
+
+        cfg = self.config
+        cp = self.ops.cp if self.ops.name == "cuda" else None
+        pool = cp.get_default_memory_pool() if cp is not None else None
+        pool_bytes = (lambda: pool.total_bytes()) if pool is not None else (lambda: 0)
+        grown_from = pool_bytes()
+        oom = (cp.cuda.memory.OutOfMemoryError,) if cp is not None else ()
+        t0 = time.perf_counter()
+        sampler = self.runner.gpu_sampler
+        rng_state = sampler._rng.bit_generator.state if sampler is not None else None
+        vocab = int(self.model.vocab_size)
+        room = max(1, min(cfg.max_batch_size, cfg.max_num_seqs))
+        per_seq = max(1, min(cfg.max_seq_len - 3, cfg.max_prefill_tokens))
+        budget = max(1, min(cfg.max_prefill_tokens, (self._num_blocks // 2) * cfg.block_size))
+        nseq = min(max(2, -(-budget // per_seq)), max(1, room - 1))
+        lengths = [max(1, min(per_seq, budget // nseq))] * nseq
+        greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True).validate()
+        full = SamplingParams(max_tokens=2, temperature=0.8, top_k=20, top_p=0.9, min_p=0.01,
+                              repetition_penalty=1.1, presence_penalty=0.1, frequency_penalty=0.1,
+                              seed=0, logprobs=2, ignore_eos=True).validate()
+        sched = self.scheduler
+        try:
+            for i, n in enumerate(lengths):
+                ids = [(7 + 31 * j + i) % vocab for j in range(n)]
+                self.add_request(Request(f"__warmup-{i}", ids, full if i == 1 else greedy))
+            while sched.waiting or any(not r.output_token_ids for r in sched.running):
+                self.step()
+            if self.has_unfinished() and room > nseq:     # their decodes + a new prompt
+                self.add_request(Request("__warmup-mixed", [(11 + j) % vocab for j in range(17)],
+                                         greedy))
+            while self.has_unfinished():
+                self.step()
+            if cp is not None:
+                cp.cuda.get_current_stream().synchronize()
+        except oom as e:
+            raise MemoryError(
+                f"the activations of a {cfg.max_prefill_tokens}-token prefill step do not fit on "
+                f"the GPU next to the KV pool ({e}): lower --max-prefill-tokens or "
+                f"--gpu-memory-utilization, or raise --oom-guard-mb") from None
+        self.scheduler = self._new_scheduler()
+        self.runner._num_generators_made = 0
+        if sampler is not None:
+            sampler._rng.bit_generator.state = rng_state
+        if self.config.profile:
+            self.ops.reset()
+        self.last_step, self.num_steps = None, 0
+        log.info("warm-up: %d prefill tokens in %d sequences and a mixed step, %.2f s; "
+                 "activation pool %.1f MiB (grew %.1f MiB)", sum(lengths), len(lengths),
+                 time.perf_counter() - t0, pool_bytes() / 2**20, (pool_bytes() - grown_from) / 2**20)
 
     def _num_kv_blocks(self, spec, num_slots: int) -> int:
         cfg = self.config
