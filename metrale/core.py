@@ -244,16 +244,19 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     # -- the step ---------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, on_launch=None) -> list[RequestOutput]:
+        """One step. `on_launch()`, when given, runs once inside it while the GPU works on the
+        step (see ModelRunner.execute): the serving loop publishes the previous step's tokens
+        there, so that host work overlaps the device's instead of following it."""
         if self.ops.name == "cuda":
             with self.stream:
-                return self._step()
-        return self._step()
+                return self._step(on_launch)
+        return self._step(on_launch)
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self, on_launch=None) -> list[RequestOutput]:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
-        sampled = self.runner.execute(out)
+        sampled = self.runner.execute(out, on_launch)
         finished = self.scheduler.update_from_output(
             out, {rid: s.token_id for rid, s in sampled.items()})
         seconds = time.perf_counter() - t0

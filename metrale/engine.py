@@ -82,6 +82,8 @@ class EngineServer:
         self.frontends: dict[str, float] = {}
         self.running = True
         self._log_steps = log.isEnabledFor(logging.DEBUG)   # each step's size and time
+        # the last step's outputs, published during the next step (see _step)
+        self._unpublished: list[RequestOutput] | None = None
         self._bind()
 
     # -- sockets ----------------------------------------------------------------------------
@@ -129,18 +131,26 @@ class EngineServer:
             self._reap_frontends()
             if self.core.has_unfinished():
                 self._step()
+            if not self.core.has_unfinished():
+                self._flush()            # no next step to overlap with
             if self.journal:
                 self.journal.flush()
+        self._flush()
         self.emit("ModelReleased", model=self.model_info.get("name"))
         if self.journal:
             self.journal.flush()
 
     def _step(self) -> None:
-        """One engine step. A step that raises is a bug, but it must not take every other
-        client down with the process: the requests in flight fail with a 500 and the engine
-        goes on serving."""
+        """One engine step. Its outputs are published during the next step, once that step's
+        GPU work is queued (EngineCore.step's on_launch), or right after it when nothing more
+        runs: serialising and sending them then overlaps the device instead of lengthening
+        every step (measured on the H200 with SmolLM2 at C=8: the loop around core.step took
+        0.15 ms of a 1.2 ms token interval). A client hears of a token one step launch later.
+
+        A step that raises is a bug, but it must not take every other client down with the
+        process: the requests in flight fail with a 500 and the engine goes on serving."""
         try:
-            outputs = self.core.step()
+            outputs = self.core.step(on_launch=self._flush)
             if self._log_steps:
                 st = self.core.last_step
                 if st is not None:
@@ -151,9 +161,18 @@ class EngineServer:
             self._fail_in_flight("the engine failed while running this request's batch "
                                  "(an internal error, logged by the engine); retry")
             return
-        self._publish(outputs)
+        self._flush()                    # when the step had no launch to overlap
+        self._unpublished = outputs
+
+    def _flush(self) -> None:
+        """Publish the last step's outputs, if not yet done."""
+        outputs = self._unpublished
+        if outputs is not None:
+            self._unpublished = None
+            self._publish(outputs)
 
     def _fail_in_flight(self, message: str) -> None:
+        self._flush()                    # what the last good step made goes out first
         for rid, live in list(self.live.items()):
             try:
                 self.core.abort_request(rid)
@@ -213,6 +232,7 @@ class EngineServer:
         self._send(msg.frontend_id, [delta])
 
     def _abort(self, request_id: str, reason: str) -> None:
+        self._flush()                    # its tokens so far go out before its end
         out = self.core.abort_request(request_id)
         if out is not None:
             self._publish([out], reason=reason)

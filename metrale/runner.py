@@ -70,14 +70,22 @@ class ModelRunner:
             block_size=self.block_size,
         )
 
-    def execute(self, out) -> dict[str, SampledToken]:
-        """Run the forward for `out` and sample one token for every sequence that asks."""
+    def execute(self, out, on_launch=None) -> dict[str, SampledToken]:
+        """Run the forward for `out` and sample one token for every sequence that asks.
+
+        `on_launch()`, when given, is called once per step at the point where host work best
+        overlaps the GPU's: after a decode graph and the sampler are queued and before the wait
+        for the chosen ids; before an eager forward (whose launches are host-bound themselves,
+        so work deferred past them would only wait longer). The engine publishes the previous
+        step's tokens there."""
+        hook = on_launch if on_launch is not None else _nothing
         if self.swap is not None:   # before anything: blocks freed by a swap-out are reused now
             self.swap.execute(out, self.caches)
         for src, dst in out.state_copies:
             self.caches.copy_state(src, dst)
         seqs = out.seqs
         if not seqs:
+            hook()
             return {}
         # a decode step replays its captured graph, packed straight from the ScheduledSeqs
         logits = self.graphs.run_decode(seqs) if self.graphs is not None else None
@@ -86,22 +94,26 @@ class ModelRunner:
             if len(sampling) != len(seqs):
                 logits = logits[np.asarray([i for i, s in enumerate(seqs) if s.sample])]
         else:
+            hook()
+            hook = _nothing
             batch = self.build_batch(out)
             logits = self.model.forward(self.ops.upload_batch(batch), self.caches)
             sampling = [s for s in seqs if s.sample]
         for src, dst in out.state_saves:
             self.caches.copy_state(src, dst)
         if not sampling:
+            hook()
             return {}
         requests = [s.request for s in sampling]
         if self.gpu_sampler is not None:
-            sampled = self._sample_gpu(logits, sampling)
+            sampled = self._sample_gpu(logits, sampling, hook)
         else:
+            hook()
             sampled = self._sample(self.ops.to_numpy(logits), requests)
         force_thinking_close(sampled, requests)     # --max-thinking-budget: close </think>
         return sampled
 
-    def _sample_gpu(self, logits, seqs) -> dict[str, SampledToken]:
+    def _sample_gpu(self, logits, seqs, before_wait=None) -> dict[str, SampledToken]:
         """Sample on the device (one device->host copy of the chosen ids); penalty counts live
         in the sampler's row of the sequence's slot."""
         params, steps, slots, fresh = sample_inputs(seqs, self._sampler_slot)
@@ -112,7 +124,8 @@ class ModelRunner:
                 self.gpu_sampler.begin(s.state_slot, r.prompt_token_ids)
                 self._sampler_slot[r.request_id] = s.state_slot
         want_lp = any(p.logprobs is not None for p in params)
-        res = self.gpu_sampler.sample(logits, params, steps, slots=slots, logprobs=want_lp)
+        res = self.gpu_sampler.sample(logits, params, steps, slots=slots, logprobs=want_lp,
+                                      before_wait=before_wait)
         if not want_lp:
             return {s.request.request_id: SampledToken(t) for s, t in zip(seqs, res.tolist())}
         sampled = {}
@@ -141,3 +154,7 @@ class ModelRunner:
                 top_logprobs=None if lp is None else lp[1],
             )
         return sampled
+
+
+def _nothing() -> None:
+    pass

@@ -26,11 +26,11 @@ def test_failed_step_fails_requests_in_flight_and_engine_serves_on(tmp_path):
     real_execute = core.runner.execute
     calls = []
 
-    def failing_once(out):
+    def failing_once(out, on_launch=None):
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("injected fault")
-        return real_execute(out)
+        return real_execute(out, on_launch)
 
     core.runner.execute = failing_once
     try:
@@ -42,6 +42,7 @@ def test_failed_step_fails_requests_in_flight_and_engine_serves_on(tmp_path):
                                                         "ignore_eos": True}))
         while core.has_unfinished():
             server._step()
+        server._flush()                      # as the loop does once nothing is left to run
         deltas = []
         while sub.poll(1000):
             deltas += wire.decode(sub.recv_multipart()[1:]).deltas

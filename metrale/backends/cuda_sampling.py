@@ -92,14 +92,18 @@ class GpuSampler:
         return self.rows.pack(params, steps, slots)
 
     def sample(self, logits, params: list[SamplingParams], steps, slots=None,
-               logprobs: bool = False):
+               logprobs: bool = False, before_wait=None):
         """logits [B, V] (bf16 or fp32, on the device) -> np.int32 [B] (or a SampleResult with
-        logprobs filled in when `logprobs` is True)."""
+        logprobs filled in when `logprobs` is True). `before_wait()`, when given, runs once the
+        step's kernels are queued and before the host waits for the chosen ids: host work
+        there overlaps the GPU's."""
         B, V = logits.shape
         if V != self.vocab_size or B > self.max_batch or len(params) != B:
             raise ValueError(f"sample: logits {logits.shape}, {len(params)} params; sampler "
                              f"built for vocab {self.vocab_size}, max batch {self.max_batch}")
         if B == 0:
+            if before_wait is not None:
+                before_wait()
             return np.zeros(0, np.int32) if not logprobs else SampleResult(np.zeros(0, np.int32))
         slots = np.arange(B) if slots is None else np.asarray(slots)
         if logits.strides[-1] != logits.dtype.itemsize:
@@ -122,11 +126,15 @@ class GpuSampler:
         kmax = max((min(p.logprobs, MAX_LOGPROBS) for p in params if p.logprobs is not None),
                    default=-1)
         if not logprobs or kmax < 0:
+            if before_wait is not None:
+                before_wait()
             toks = self.out[:B, 0].get()
             return toks if not logprobs else SampleResult(toks)
         K = max(kmax, 0)
         _kernel(self.ops, "sampling.cu", f"sample_logprobs_{sfx}")(
             (B,), (1024,), (logits, ld, np.int32(V), prm, self.out, np.int32(ow), np.int32(K)))
+        if before_wait is not None:
+            before_wait()
         host = self.out[:B, :2 + 2 * K].get()          # the one device->host copy
         res = SampleResult(
             tokens=host[:, 0].copy(),
