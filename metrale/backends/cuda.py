@@ -443,7 +443,8 @@ class CudaOps:
 
                 try:
                     blas = _cublaslt.LtGemm(_cublaslt.load_libcublaslt(major), blas, self._workspace.data.ptr,
-                                            _cublas.WORKSPACE_BYTES, own_gemv=_cublaslt.OwnGemv(self.kernel))
+                                            _cublas.WORKSPACE_BYTES, own_gemv=_cublaslt.OwnGemv(self.kernel),
+                                            own_skinny=_cublaslt.OwnSkinny(self.kernel, self.sm_count))
                 except (_cublas.CublasError, AttributeError) as e:   # missing library / entry point
                     import logging
 
