@@ -19,9 +19,8 @@ CudaOps.linear runs the autotuned cuBLASLt path (METRALE_GEMM_TUNE=1, the defaul
 --gemm-only: the decode GEMMs alone, [out x in] = 12288x4096, 4096x12288, 248320x4096 and
 SmolLM2-135M's 576x576, 192x576, 960x576, 3072x576, 576x1536 (bf16, fp32 accumulate) at M = 1, 2,
 4, ..., 128, for cublasGemmEx (CUBLAS_GEMM_DEFAULT), cuBLASLt's heuristic #0, the autotuner without
-and with our own kernels as candidates (the latter is CudaOps.linear), the GEMV kernels alone
-(M <= 8) and the tensor-core skinny GEMMs alone (M <= 64; the fastest of OwnSkinny.configs, timed
-in a graph), eager and replayed from a captured CUDA graph: microseconds,
+and with our GEMV kernels as candidates (the latter is CudaOps.linear) and the GEMV kernels alone
+(M <= 8), eager and replayed from a captured CUDA graph: microseconds,
 fraction of the copy bandwidth (bytes = weights + x + y), the chosen algorithm and the tuning time
 of the first call. Writes perf/results/gemm_<date>_<commit>.json (and a copy under --out).
 
@@ -147,10 +146,9 @@ def bench_gemms(ops: CudaOps, copy_bw: float, quick: bool) -> list[dict]:
 GEMM_SHAPES = [(12288, 4096), (4096, 12288), (248320, 4096), (576, 576), (192, 576), (960, 576), (3072, 576),
                (576, 1536)]
 GEMM_MS = (1, 2, 4, 8, 16, 32, 64, 128)
-# lt_tuned: what CudaOps.linear runs (cuBLASLt + own GEMV / skinny candidates); lt_tuned_lt: the
-# same tuner without our candidates; gemv: the fastest own GEMV config alone (M <= 8); skinny: the
-# fastest own skinny GEMM config alone (M <= 64)
-GEMM_VARIANTS = ("gemmex", "lt_heuristic0", "lt_tuned_lt", "lt_tuned", "gemv", "skinny")
+# lt_tuned: what CudaOps.linear runs (cuBLASLt + own GEMV candidates); lt_tuned_lt: the same tuner
+# without the GEMV candidates; gemv: the fastest own GEMV config alone (M <= 8)
+GEMM_VARIANTS = ("gemmex", "lt_heuristic0", "lt_tuned_lt", "lt_tuned", "gemv")
 
 
 class GemvOnly:
@@ -179,37 +177,6 @@ class GemvOnly:
         self.own.launch(cfg, stream_ptr, x_ptr, x_ld, w_ptr, w_ld, y_ptr, y_ld, t, n_out, k, code, accumulate)
 
 
-class SkinnyOnly:
-    """Our skinny GEMM kernels alone, as a GEMM variant: the first call of a shape times every
-    config OwnSkinny.configs proposes (from a captured graph, as the tuner does) and keeps the
-    fastest; shapes the kernel does not take are skipped."""
-
-    def __init__(self, own: lt.OwnSkinny):
-        self.own, self._best, self.last_plan = own, {}, None
-
-    def applies(self, m: int, k: int) -> bool:
-        return lt.OwnSkinny.applies(m, k, k, k, cb.CUDA_R_16BF, 256, 256)
-
-    def gemm_rowmajor_xwT(self, stream_ptr, x_ptr, x_ld, w_ptr, w_ld, y_ptr, y_ld, t, n_out, k, code,
-                          accumulate=False):
-        key = (t, n_out, k, x_ld, w_ld, y_ld, code)
-        cfg = self._best.get(key)
-        if cfg is None:
-            times = []
-            for c in self.own.configs(t, n_out, k):
-                def fn(c=c):
-                    self.own.launch(c, cupy.cuda.get_current_stream().ptr, x_ptr, x_ld, w_ptr, w_ld, y_ptr, y_ld,
-                                    t, n_out, k, code, False)
-                try:
-                    times.append((time_graph(fn, 10, 5), c))
-                except Exception as e:  # report, keep benchmarking
-                    print(f"  {lt.OwnSkinny.describe(c)} failed: {e!r}")
-            cfg = self._best[key] = min(times)[1]
-            self.last_plan = lt.Plan(name=lt.OwnSkinny.describe(cfg), tuned=True, own=cfg, family="skinny")
-            self.last_plan.time_s = min(times)[0]
-        self.own.launch(cfg, stream_ptr, x_ptr, x_ld, w_ptr, w_ld, y_ptr, y_ld, t, n_out, k, code, accumulate)
-
-
 def gemm_variants(ops: CudaOps) -> dict:
     """{variant: object with gemm_rowmajor_xwT}: cublasGemmEx (our cuBLAS handle), cuBLASLt's
     heuristic #0 and the autotuned cuBLASLt plan (the one CudaOps.linear uses), one workspace."""
@@ -226,8 +193,6 @@ def gemm_variants(ops: CudaOps) -> dict:
     out = {"gemmex": blas.blas, "lt_heuristic0": heur, "lt_tuned_lt": lt_only, "lt_tuned": blas}
     if blas.own_gemv is not None:
         out["gemv"] = GemvOnly(blas.own_gemv)
-    if getattr(blas, "own_skinny", None) is not None:
-        out["skinny"] = SkinnyOnly(blas.own_skinny)
     return out
 
 
@@ -243,7 +208,7 @@ def bench_gemm_variants(ops: CudaOps, copy_bw: float, quick: bool) -> list[dict]
             row = {"out": n, "in": k, "M": m, "bytes": nbytes}
             outs = {}
             for name, g in variants.items():
-                if isinstance(g, (GemvOnly, SkinnyOnly)) and not g.applies(m, k):
+                if isinstance(g, GemvOnly) and not g.applies(m, k):
                     continue
                 def fn(g=g):
                     g.gemm_rowmajor_xwT(cupy.cuda.get_current_stream().ptr, x.data.ptr, k, w.data.ptr, k,

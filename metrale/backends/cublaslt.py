@@ -29,21 +29,8 @@ candidates too, checked and timed like the cuBLASLt algorithms and winning by th
 Why: decode GEMMs of small models (SmolLM2-135M: 0.2-3.5 MB weights) are latency-bound, and
 cuBLAS's tile kernels take ~3.8 us where the weight streams in well under 1 us. For those row
 counts every weight size is tuned (the TUNE_MIN_WEIGHTS skip holds for t > GEMV_MAX_T, or where
-no own kernel applies); row counts between the decode buckets borrow a tuned gemv plan only
+the kernel does not apply); row counts between the decode buckets borrow a tuned gemv plan only
 when t <= GEMV_MAX_T (the kernel variant is the smallest compiled T >= t).
-Own skinny GEMMs (kernels_cuda/skinny.cu, `OwnSkinny`, handed in by CudaOps as `own_skinny`):
-tensor-core kernels for t <= SKINNY_MAX_T (64) under the same alignment rules, candidates for
-every tuned key with t <= 64 (weights of >= TUNE_MIN_WEIGHTS elements, and small ones at
-t <= GEMV_MAX_T as above), next to the GEMV configs and the cuBLASLt algorithms. Why: at
-t = 4..64 a 9B model's decode GEMMs (100 MB weights) are bandwidth-bound and cuBLAS streams them
-at 78-84 % of the copy bandwidth (CUDA-core GEMVs are FMA-bound past t = 2). Its candidates
-(`OwnSkinny.configs`: rows per CTA x k split over a thread-block cluster, ranked by a bandwidth
-model) are checked and timed like every other one. A skinny config names the row count it was
-compiled for (T = the smallest of 8 / 16 / 32 / 64 >= the tuned t); a row count between the
-decode buckets borrows it only when t <= that T (always true when the neighbour is the smallest
-tuned t above; when it is the largest below, e.g. t = 70 after only t = 64 was tuned, it gets
-cublasGemmEx instead). A skinny launch allocates nothing and never synchronises (no workspace:
-its k split is reduced inside the cluster), so tuned and borrowed plans are graph-capturable.
 
 Every enum value and struct layout below is from cublasLt.h of the nvidia-cublas 13.10.0.20 wheel
 (nvidia/cu13/include/cublasLt.h), checked by compiling a C file against it (sizeof / offsetof /
@@ -99,11 +86,10 @@ MAX_HEURISTICS = 16          # algorithms asked of cublasLtMatmulAlgoGetHeuristi
 SPLITK_BASES = 3             # split-K variants are built from this many of the best ones ...
 SPLITK = (2, 4, 8, 16)       # ... with these splits (each split at least SPLITK_MIN_K deep)
 SPLITK_MIN_K = 256
-TUNE_BUDGET_S = 1.0          # no new cuBLASLt candidate is timed past this much wall time per key
-                             # (time on our own kernels, which go first, is not counted)
+TUNE_BUDGET_S = 1.0          # no new candidate is timed past this much wall time per key
 GRAPH_TARGET_S = 0.5e-3      # GPU time of one timing graph (calls per graph follow from it)
 GRAPH_REPLAYS = 3            # timed replays per candidate (the fastest counts), after one warm-up
-WIN_MARGIN = 0.01            # a cuBLASLt algorithm or own kernel replaces GemmEx only if this much faster
+WIN_MARGIN = 0.01            # a cuBLASLt algorithm or own GEMV replaces GemmEx only if this much faster
 CHECK_ROWS = 4               # rows (plus the last) each candidate is checked on against GemmEx
 # own GEMV kernels (kernels_cuda/gemv.cu): row counts compiled in (a call with t rows runs the
 # smallest >= t), output rows per warp group, k split over 1 / 2 / 4 warps, 128-thread CTAs
@@ -112,22 +98,6 @@ GEMV_T = (1, 2, 4, 8)
 GEMV_R = (2, 4)
 GEMV_KS_LOG2 = (0, 1, 2)
 GEMV_WARPS = 4
-# own skinny GEMMs on tensor cores (kernels_cuda/skinny.cu): row counts compiled in (8-token mma
-# n-tiles; a call with t rows runs the smallest >= t), k split over a cluster of 1 / 2 / 4 / 8
-# CTAs, k elements per pipeline stage, candidates timed per key (the best of a bandwidth model)
-SKINNY_MAX_T = 64
-SKINNY_T = (8, 16, 32, 64)
-SKINNY_KS = (1, 2, 4, 8)
-SKINNY_KC = 64
-SKINNY_CANDIDATES = 6
-SKINNY_MAX_STAGES = 8
-# the bandwidth model that ranks skinny configs (relative costs per byte of w streamed from HBM):
-# x staged from L2, the k-split partial tile through distributed shared memory, a CTA's fixed
-# prologue + epilogue (in bytes' worth of its HBM share), and the w bytes in flight an SM needs
-SKINNY_X_COST = 0.35
-SKINNY_RED_COST = 1.5
-SKINNY_FIXED_BYTES = 48 * 1024
-SKINNY_INFLIGHT_BYTES = 48 * 1024
 
 _ITEMSIZE = {CUDA_R_16BF: 2, CUDA_R_16F: 2, CUDA_R_32F: 4}
 
@@ -210,28 +180,25 @@ def _capturing(stream_ptr: int) -> bool:
 
 
 class Plan:
-    """How one key runs: `own` set = one of our kernels, the family `family` ("gemv": OwnGemv with
-    an (R, ks_log2) config; "skinny": OwnSkinny with a (T, rg, kw, ks, stages) config); else
-    `algo` None = cublasGemmEx, else cublasLtMatmul with `algo` and the A/B/C layouts. `tuned` is
-    False for a provisional plan (chosen during capture, or untimed)."""
-    __slots__ = ("algo", "algo_id", "candidates", "family", "gemmex_s", "layouts", "name", "own", "p_algo",
-                 "time_s", "tune_s", "tuned")
+    """How one key runs: `own` set = our GEMV kernel with that (R, ks_log2) config (OwnGemv);
+    else `algo` None = cublasGemmEx, else cublasLtMatmul with `algo` and the A/B/C layouts.
+    `tuned` is False for a provisional plan (chosen during capture, or untimed)."""
+    __slots__ = ("algo", "algo_id", "candidates", "gemmex_s", "layouts", "name", "own", "p_algo", "time_s",
+                 "tune_s", "tuned")
 
-    def __init__(self, algo=None, layouts=None, name="gemmex", algo_id=None, tuned=False, own=None,
-                 family=None):
+    def __init__(self, algo=None, layouts=None, name="gemmex", algo_id=None, tuned=False, own=None):
         self.algo = algo
         self.p_algo = ctypes.pointer(algo) if algo is not None else None
         self.layouts = layouts
         self.own = own
-        self.family = (family or "gemv") if own is not None else None
         self.name, self.algo_id, self.tuned = name, algo_id, tuned
         self.time_s = self.gemmex_s = self.tune_s = None
         self.candidates = 0
 
     def as_dict(self) -> dict:
-        return {"algo": self.name, "algo_id": self.algo_id, "own": self.own, "family": self.family,
-                "tuned": self.tuned, "time_s": self.time_s, "gemmex_s": self.gemmex_s,
-                "candidates": self.candidates, "tune_s": self.tune_s}
+        return {"algo": self.name, "algo_id": self.algo_id, "own": self.own, "tuned": self.tuned,
+                "time_s": self.time_s, "gemmex_s": self.gemmex_s, "candidates": self.candidates,
+                "tune_s": self.tune_s}
 
 
 class OwnGemv:
@@ -290,140 +257,6 @@ class OwnGemv:
            stream=self._stream(stream_ptr))
 
 
-class OwnSkinny:
-    """Launches kernels_cuda/skinny.cu (skinny_t<T>_ks<KS>_<bf16|f16>: tensor-core GEMMs for
-    1..SKINNY_MAX_T rows) for LtGemm. `kernel(module, fn, smem)` returns a cupy RawKernel-like
-    callable taking (grid, block, args, shared_mem=..., stream=...) with its dynamic shared-memory
-    limit raised to `smem`: CudaOps.kernel (its KernelCache compiles the .cu once per arch).
-
-    A config is (T, rg, kw, ks, stages) (the layout of the .cu's header): the compiled row count
-    T (8, 16, 32, 64: the smallest >= t when tuned; a borrowed plan runs any t <= T), 32 * rg
-    rows of w per CTA, kw warps per 32-row group splitting each stage's k, the k split over a
-    cluster of ks CTAs (reduced in distributed shared memory, in a fixed order), and the depth
-    of the cp.async ring. Launches allocate nothing and never synchronise (graph-capturable);
-    there is no workspace: a split is reduced inside its cluster. Which configs are tried is a
-    ranking by a small bandwidth model (`configs`); which one wins is measured by LtGemm."""
-
-    def __init__(self, kernel, sm_count: int | None = None):
-        self._kernel = kernel
-        self._fns: dict = {}
-        self._streams: dict = {}
-        self._dev = None if sm_count is None else {"sms": sm_count}
-
-    def _props(self) -> dict:
-        """SM count, per-CTA (opt-in) and per-SM shared memory, compute capability of the current
-        device (queried once)."""
-        d = self._dev
-        if d is None or "cc" not in d:
-            import cupy
-
-            dev = cupy.cuda.Device()
-            p = cupy.cuda.runtime.getDeviceProperties(dev.id)
-            d = {"sms": int(p["multiProcessorCount"]), **(d or {})}
-            d.update(cc=int(dev.compute_capability),
-                     smem_cta=int(p.get("sharedMemPerBlockOptin", 0)) or 48 * 1024,
-                     smem_sm=int(p.get("sharedMemPerMultiprocessor", 0)) or 64 * 1024)
-            self._dev = d
-        return d
-
-    @staticmethod
-    def applies(t: int, k: int, x_ld: int, w_ld: int, dtype_code: int, x_align: int, w_align: int) -> bool:
-        """The kernel's requirements: 16-byte vectors of x and w rows (k, leading dims multiples of
-        8 elements, 16-byte aligned pointers), 16-bit types, 1..SKINNY_MAX_T rows."""
-        return (1 <= t <= SKINNY_MAX_T and dtype_code in (CUDA_R_16BF, CUDA_R_16F) and k > 0 and k % 8 == 0
-                and x_ld % 8 == 0 and w_ld % 8 == 0 and x_align >= 16 and w_align >= 16)
-
-    @staticmethod
-    def smem_bytes(cfg) -> int:
-        """Dynamic shared memory of a config: the cp.async ring (w rows + the T rows of x per
-        stage, 128 bytes each), or the fp32 partial tile [T][rows + 4] if larger (it reuses the ring)."""
-        tt, rg, _kw, _ks, stages = cfg
-        rows = 32 * rg
-        return max(stages * (rows + tt) * 128, tt * (rows + 4) * 4)
-
-    def configs(self, t: int, n: int, k: int, top: int = SKINNY_CANDIDATES) -> list[tuple]:
-        """The (T, rg, kw, ks, stages) candidates for t rows of x and an n x k weight: every
-        rows-per-CTA (32..256) x cluster split, its ring as deep as shared memory allows (sized for
-        one CTA per SM when the grid fits in one wave, else two), ranked by a model of the busiest
-        SM's time (its w bytes, x from L2, the split's reduction, a fixed cost per CTA, too few
-        bytes in flight); the best `top`, plus the best unsplit one (it needs no cluster launch)."""
-        d = self._props()
-        if d["cc"] < 80:              # mma.sync bf16 / cp.async: sm_80+
-            return []
-        tt = next(v for v in SKINNY_T if v >= t)
-        sms = d["sms"]
-        nk = -(-k // SKINNY_KC)
-        ranked = []
-        for ks in SKINNY_KS:
-            if ks > 1 and (d["cc"] < 90 or nk < 2 * ks):   # clusters: sm_90+; >= 2 stages per CTA
-                continue
-            per = -(-nk // ks)        # stages of the longest k slice
-            for rg in range(1, 9):
-                rows = 32 * rg
-                if rows - 32 >= n:            # a smaller CTA covers n as well
-                    break
-                rb = -(-n // rows)
-                kw = 2 if rg <= 4 else 1
-                ctas = rb * ks
-                co = 1 if ctas <= sms else 2
-                stage = (rows + tt) * 128
-                stages = min(SKINNY_MAX_STAGES, per + 1, (min(d["smem_cta"], d["smem_sm"] // co - 1024)) // stage)
-                if stages < 2:
-                    continue
-                cfg = (tt, rg, kw, ks, stages)
-                rounds = -(-ctas // sms)          # CTAs on the busiest SM
-                live = min(co, rounds)            # ... of them resident at once
-                full = min(rows, n)               # rows a full block streams
-                per_cta = (full * per * 128 * (1 + SKINNY_X_COST * t / full)
-                           + SKINNY_RED_COST * (ks - 1) / ks * t * full * 4)
-                slow = max(1.0, SKINNY_INFLIGHT_BYTES / ((stages - 1) * full * 128 * live))
-                est = rounds * per_cta * slow + SKINNY_FIXED_BYTES * -(-rounds // live)
-                ranked.append((round(est), rows, ks, cfg))   # ties: fewer rows, then less split
-        ranked.sort()
-        out = [r[3] for r in ranked[:top]]
-        if not any(c[3] == 1 for c in out):
-            out += [r[3] for r in ranked if r[3][3] == 1][:1]
-        return out
-
-    @staticmethod
-    def describe(cfg) -> str:
-        tt, rg, kw, ks, stages = cfg
-        return f"skinny[t{tt} rows={32 * rg} kw={kw} ksplit={ks} stages={stages}]"
-
-    def _stream(self, ptr: int):
-        s = self._streams.get(ptr)
-        if s is None:
-            import cupy
-
-            s = self._streams[ptr] = cupy.cuda.ExternalStream(ptr)
-        return s
-
-    def launch(self, cfg, stream_ptr: int, x_ptr: int, x_ld: int, w_ptr: int, w_ld: int, y_ptr: int, y_ld: int,
-               t: int, n_out: int, k: int, dtype_code: int, accumulate: bool) -> None:
-        import numpy as np
-
-        tt, rg, kw, ks, stages = cfg
-        if not 1 <= t <= tt:
-            raise ValueError(f"{self.describe(cfg)} runs at most {tt} rows, got t={t}")
-        fkey = (tt, ks, dtype_code)
-        fn = self._fns.get(fkey)
-        if fn is None:
-            suf = "bf16" if dtype_code == CUDA_R_16BF else "f16"
-            # the limit raised once to the device's maximum (one attribute per function: a
-            # smaller later config must not lower it under a larger one's launch)
-            fn = self._kernel("skinny", f"skinny_t{tt}_ks{ks}_{suf}", self._props()["smem_cta"])
-            try:   # all of L1 as shared memory: two CTAs of ~110 KB per SM when the grid wants them
-                getattr(fn, "raw", fn).preferred_shared_memory_carveout = 100
-            except Exception as e:  # noqa: BLE001 - a preference; the driver's default works too
-                log.debug("skinny: carveout preference not set: %s", e)
-            self._fns[fkey] = fn
-        fn((-(-n_out // (32 * rg)), ks), (32 * rg * kw,),
-           (np.uint64(x_ptr), np.int64(x_ld), np.uint64(w_ptr), np.int64(w_ld), np.uint64(y_ptr), np.int64(y_ld),
-            np.int32(t), np.int32(n_out), np.int32(k), np.int32(rg), np.int32(kw), np.int32(stages),
-            np.int32(1 if accumulate else 0)),
-           shared_mem=self.smem_bytes(cfg), stream=self._stream(stream_ptr))
-
-
 GEMMEX = Plan(tuned=True)   # shapes outside the tuning range (never mutated)
 
 
@@ -434,16 +267,14 @@ class LtGemm:
 
     mode "tune": decode-sized shapes autotuned, the rest cublasGemmEx (the default);
     mode "heuristic": every shape cuBLASLt's heuristic #0, never timed (benchmarks, tests).
-    own_gemv: an OwnGemv (or None): our GEMV kernels as extra candidates where they apply;
-    own_skinny: an OwnSkinny (or None): our tensor-core skinny GEMMs, the same for t <= 64."""
+    own_gemv: an OwnGemv (or None): our GEMV kernels as extra candidates where they apply."""
 
     def __init__(self, lib: ctypes.CDLL, blas: _cublas.Cublas, workspace_ptr: int, workspace_bytes: int,
-                 mode: str = "tune", own_gemv: OwnGemv | None = None, own_skinny: OwnSkinny | None = None):
+                 mode: str = "tune", own_gemv: OwnGemv | None = None):
         if mode not in ("tune", "heuristic"):
             raise ValueError(f"LtGemm mode {mode!r}: expected 'tune' or 'heuristic'")
         self.lib, self.blas, self.mode = lib, blas, mode
         self.own_gemv = own_gemv
-        self.own_skinny = own_skinny
         self.workspace_ptr, self.workspace_bytes = workspace_ptr, workspace_bytes
         vp = ctypes.c_void_p
         self._status_name = declare(lib)
@@ -472,7 +303,7 @@ class LtGemm:
 
     @classmethod
     def open(cls, major: int | None = None, workspace_bytes: int = _cublas.WORKSPACE_BYTES,
-             mode: str = "tune", own_gemv: OwnGemv | None = None, own_skinny: OwnSkinny | None = None) -> LtGemm:
+             mode: str = "tune", own_gemv: OwnGemv | None = None) -> LtGemm:
         """Both libraries loaded, a workspace of our own (cupy; kept alive by the object)."""
         import cupy
         import numpy as np
@@ -483,7 +314,7 @@ class LtGemm:
         lt_lib = load_libcublaslt(major)
         ws = cupy.empty(workspace_bytes, dtype=np.uint8)
         self = cls(lt_lib, _cublas.Cublas(blas_lib, ws.data.ptr, workspace_bytes), ws.data.ptr, workspace_bytes,
-                   mode, own_gemv, own_skinny)
+                   mode, own_gemv)
         self._workspace = ws
         return self
 
@@ -615,7 +446,8 @@ class LtGemm:
         compute (as Cublas.gemm_rowmajor_xwT). The first call of a decode-sized key outside
         stream capture tunes it (synchronising the stream once); y holds the result either way."""
         if self.mode == "tune" and (t > TUNE_MAX_T or (n_out * k < TUNE_MIN_WEIGHTS and not (
-                t <= GEMV_MAX_T and self._own_small(t, k, x_ld, w_ld, dtype_code, _align(x_ptr), _align(w_ptr))))):
+                self.own_gemv is not None and t <= GEMV_MAX_T
+                and OwnGemv.applies(t, k, x_ld, w_ld, dtype_code, _align(x_ptr), _align(w_ptr))))):
             self.last_plan = GEMMEX    # prefill / tiny (no own kernel): as before, no key, no cache entry
             self.blas.gemm_rowmajor_xwT(stream_ptr, x_ptr, x_ld, w_ptr, w_ld, y_ptr, y_ld, t, n_out, k, dtype_code,
                                         accumulate)
@@ -631,9 +463,8 @@ class LtGemm:
     def _run(self, plan: Plan, stream_ptr, x_ptr, x_ld, w_ptr, w_ld, y_ptr, y_ld, t, n_out, k, dtype_code,
              accumulate) -> None:
         if plan.own is not None:
-            impl = self.own_skinny if plan.family == "skinny" else self.own_gemv
-            impl.launch(plan.own, stream_ptr, x_ptr, x_ld, w_ptr, w_ld, y_ptr, y_ld, t, n_out, k, dtype_code,
-                        accumulate)
+            self.own_gemv.launch(plan.own, stream_ptr, x_ptr, x_ld, w_ptr, w_ld, y_ptr, y_ld, t, n_out, k, dtype_code,
+                                 accumulate)
             return
         if plan.algo is None:
             self.blas.gemm_rowmajor_xwT(stream_ptr, x_ptr, x_ld, w_ptr, w_ld, y_ptr, y_ld, t, n_out, k, dtype_code,
@@ -691,12 +522,6 @@ class LtGemm:
         above = [u for u in tuned if u >= t]
         src_t = min(above) if above else max(tuned)
         src = tuned[src_t]
-        if src.own is not None and src.family == "skinny":
-            # the same config and compiled kernel: it runs any t up to its T (the smallest tuned
-            # t above always fits; the largest below only while t <= its T)
-            if self._own_applies(key, "skinny") and t <= src.own[0]:
-                return Plan(name=f"{src.name} (as t={src_t})", tuned=True, own=src.own, family="skinny")
-            return Plan(name=f"gemmex (t={src_t}'s skinny does not cover t={t})", tuned=True)
         if src.own is not None:   # the same kernel config, compiled for the smallest T >= t
             if self._own_applies(key):
                 return Plan(name=f"{src.name} (as t={src_t})", tuned=True, own=src.own)
@@ -713,26 +538,9 @@ class LtGemm:
             return Plan(name=f"gemmex (t={src_t}'s algo does not fit)", tuned=True)
         return Plan(algo, layouts, f"{src.name} (as t={src_t})", src.algo_id, tuned=True)
 
-    def _own_applies(self, key, family: str = "gemv") -> bool:
+    def _own_applies(self, key) -> bool:
         t, _n_out, k, x_ld, w_ld, _y_ld, code = key[:7]
-        if family == "skinny":
-            return self.own_skinny is not None and OwnSkinny.applies(t, k, x_ld, w_ld, code, key[8], key[9])
         return self.own_gemv is not None and OwnGemv.applies(t, k, x_ld, w_ld, code, key[8], key[9])
-
-    def _own_small(self, t, k, x_ld, w_ld, code, x_align, w_align) -> bool:
-        """An own kernel takes this key (small weights are tuned for t <= GEMV_MAX_T then)."""
-        return ((self.own_gemv is not None and OwnGemv.applies(t, k, x_ld, w_ld, code, x_align, w_align))
-                or (self.own_skinny is not None and OwnSkinny.applies(t, k, x_ld, w_ld, code, x_align, w_align)))
-
-    def _own_candidates(self, key) -> list[tuple[str, tuple]]:
-        """(family, config) of every own-kernel candidate for `key`."""
-        t, n_out, k = key[:3]
-        out = []
-        if self._own_applies(key, "gemv"):
-            out += [("gemv", cfg) for cfg in OwnGemv.configs(k)]
-        if self._own_applies(key, "skinny"):
-            out += [("skinny", cfg) for cfg in self.own_skinny.configs(t, n_out, k)]
-        return out
 
     # -- tuning ------------------------------------------------------------------------------
     def _tune(self, key, stream_ptr: int, x_ptr: int, w_ptr: int, y_ptr: int) -> Plan:
@@ -748,7 +556,7 @@ class LtGemm:
             if bytes(a) not in seen:
                 seen.add(bytes(a))
                 algos.append(a)
-        own = self._own_candidates(key)
+        own = OwnGemv.configs(k) if self._own_applies(key) else []
         if not algos and not own:   # nothing but cublasGemmEx for this shape / alignment
             best, base_s, timed, rejected = Plan(tuned=True), None, 0, 0
         else:
@@ -769,8 +577,8 @@ class LtGemm:
 
     def _tune_on(self, ts, key, layouts, algos: list[MatmulAlgo], x_ptr: int, w_ptr: int, y_ptr: int, t0: float,
                  own=()):
-        """Check and time cublasGemmEx, our kernels' (family, config) pairs `own` (first: the
-        tuning budget never cuts them) and every algorithm on stream `ts` into a scratch y;
+        """Check and time cublasGemmEx, our GEMV configs `own` (first: the tuning budget never
+        cuts them) and every algorithm on stream `ts` into a scratch y;
         returns (winning plan, GemmEx seconds, candidates timed, rejected). Allocations and the
         comparisons run on cupy's current stream (their memory goes back to the pool that stream
         uses, e.g. the engine's), every hand-over between it and `ts` is a synchronisation."""
@@ -816,22 +624,13 @@ class LtGemm:
         reps = max(1, min(32, int(GRAPH_TARGET_S / max(est, 1e-7))))
         base_s = self._time_graph(call(gemmex, accumulate), reps, GRAPH_REPLAYS)
         best, best_s, timed, rejected = gemmex, base_s, 1, 0
-        cands = [Plan(name=(OwnSkinny if fam == "skinny" else OwnGemv).describe(cfg), tuned=True, own=cfg,
-                      family=fam) for fam, cfg in own]
-        # time spent on our kernels (checks, timing, a first compile of their .cu) is not charged
-        # to the budget of the cuBLASLt algorithms that follow them
-        own_s, own_t = 0.0, None
+        cands = [Plan(name=OwnGemv.describe(cfg), tuned=True, own=cfg) for cfg in own]
         for plan in [*cands, *algos]:
-            t_cand = time.perf_counter()
-            if own_t is not None:   # the previous candidate was one of ours
-                own_s, own_t = own_s + t_cand - own_t, None
             if not isinstance(plan, Plan):
-                if t_cand - t0 - own_s > TUNE_BUDGET_S:
+                if time.perf_counter() - t0 > TUNE_BUDGET_S:
                     break
                 name, aid = self.describe(plan)
                 plan = Plan(plan, layouts, name, aid, tuned=True)
-            elif plan.own is not None:
-                own_t = t_cand
             name = plan.name
             try:
                 # first run (loads its kernel) on a zeroed scratch with the real beta, so that
@@ -845,8 +644,7 @@ class LtGemm:
                     continue
                 s = self._time_graph(call(plan, accumulate), reps, GRAPH_REPLAYS)
             except (RuntimeError, cupy.cuda.runtime.CUDARuntimeError, cupy.cuda.driver.CUDADriverError) as e:
-                # CublasError, and a failed cuLaunchKernel of our kernels (metrale.backends.launch;
-                # e.g. a cluster shape the device cannot schedule)
+                # CublasError, and a failed cuLaunchKernel of our GEMV (metrale.backends.launch)
                 rejected += 1
                 log.debug("gemm %s: %s failed: %s", key[:8], name, e)
                 continue

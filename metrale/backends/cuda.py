@@ -443,8 +443,7 @@ class CudaOps:
 
                 try:
                     blas = _cublaslt.LtGemm(_cublaslt.load_libcublaslt(major), blas, self._workspace.data.ptr,
-                                            _cublas.WORKSPACE_BYTES, own_gemv=_cublaslt.OwnGemv(self.kernel),
-                                            own_skinny=_cublaslt.OwnSkinny(self.kernel, self.sm_count))
+                                            _cublas.WORKSPACE_BYTES, own_gemv=_cublaslt.OwnGemv(self.kernel))
                 except (_cublas.CublasError, AttributeError) as e:   # missing library / entry point
                     import logging
 
