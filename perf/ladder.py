@@ -295,6 +295,21 @@ def start_server(folder: Path, args, max_conc: int, port: int):
     raise RuntimeError("met serve did not become healthy in 900 s")
 
 
+def model_id(base: str, timeout_s: float = 120) -> str:
+    """The served model's id from /v1/models, retried while a frontend worker that answered is
+    still starting (503: /health may have come from a worker that was already up)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = httpx.get(base + "/v1/models", timeout=10)
+        if r.status_code == 200:
+            return r.json()["data"][0]["id"]
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"/v1/models: HTTP {r.status_code}: {r.text[:300]}")
+        time.sleep(0.5)
+
+
 def _tail(path: Path, n: int = 3000) -> str:
     try:
         return path.read_bytes()[-n:].decode(errors="replace")
@@ -414,7 +429,7 @@ def main_http(args) -> int:
     rng = np.random.default_rng(0)
     results = []
     try:
-        model = __import__("httpx").get(base + "/v1/models").json()["data"][0]["id"]
+        model = model_id(base)
         for conc in rungs:
             run_http_rung(base, model, conc, args.isl, args.osl, vocab, rng,
                           args.client_procs)   # warm-up

@@ -15,12 +15,19 @@ from tiny_models import VOCAB, make_tiny
 
 ARCHS = ("qwen3_5", "llama")
 DEVICES = ("cpu", pytest.param("cuda", marks=pytest.mark.gpu))
+# head dims the CUDA kernels are built for (attention 64; GDN 32 x 32), on both backends
+SHAPES = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=64)
+GDN_SHAPES = dict(linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2,
+                  linear_num_value_heads=4)
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("warmup")
-    return {arch: make_tiny(arch, root / arch, dtype="bfloat16", seed=3) for arch in ARCHS}
+    return {arch: make_tiny(arch, root / arch, dtype="bfloat16", seed=3,
+                            **SHAPES, **(GDN_SHAPES if arch == "qwen3_5" else {}))
+            for arch in ARCHS}
 
 
 def engine(path, device, warmup) -> EngineCore:
