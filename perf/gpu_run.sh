@@ -15,6 +15,12 @@
 # exists (fetch them beforehand with ../shared/tools/gpu-wheels.sh from the project root).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# the commit the results are labelled with: from the caller's checkout (the device's copy of the
+# tree carries a stale .git, so `git rev-parse` there names the wrong commit)
+if [ -z "${GIT_COMMIT:-}" ]; then
+  echo "gpu_run.sh: set GIT_COMMIT to the checkout's commit (git rev-parse HEAD where you edit)"; exit 2
+fi
+export GIT_COMMIT
 OUTDIR="${1:-${OUT:-perf/results/gpu_$(date +%Y%m%d_%H%M%S)}}"
 mkdir -p "$OUTDIR"
 PY="${PYTHON:-python3}"
@@ -31,7 +37,7 @@ if ! "$PY" setup.py build_ext --inplace > "$OUTDIR/build.log" 2>&1; then
   "$PY" -m pip install -e . --no-build-isolation --no-deps >> "$OUTDIR/build.log" 2>&1 || { echo "build failed (see build.log)"; status=1; }
 fi
 
-{ nvidia-smi; nvcc --version; "$PY" -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__)"; } \
+{ echo "GIT_COMMIT=$GIT_COMMIT"; nvidia-smi; nvcc --version; "$PY" -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__)"; } \
   > "$OUTDIR/env.txt" 2>&1
 
 for spec in ${PROFILE:-}; do
