@@ -139,12 +139,10 @@ class EngineCore:
         cfg = self.config
         cp = self.ops.cp if self.ops.name == "cuda" else None
         pool = cp.get_default_memory_pool() if cp is not None else None
-        pool_bytes = (lambda: pool.total_bytes()) if pool is not None else (lambda: 0)
-        grown_from = pool_bytes()
+        grown_from = pool.total_bytes() if pool is not None else 0
         oom = (cp.cuda.memory.OutOfMemoryError,) if cp is not None else ()
         t0 = time.perf_counter()
-        sampler = self.runner.gpu_sampler
-        rng_state = sampler._rng.bit_generator.state if sampler is not None else None
+        seeds = self.runner.seed_state()
         vocab = int(self.model.vocab_size)
         room = max(1, min(cfg.max_batch_size, cfg.max_num_seqs))
         per_seq = max(1, min(cfg.max_seq_len - 3, cfg.max_prefill_tokens))
@@ -175,15 +173,14 @@ class EngineCore:
                 f"the GPU next to the KV pool ({e}): lower --max-prefill-tokens or "
                 f"--gpu-memory-utilization, or raise --oom-guard-mb") from None
         self.scheduler = self._new_scheduler()
-        self.runner._num_generators_made = 0
-        if sampler is not None:
-            sampler._rng.bit_generator.state = rng_state
+        self.runner.restore_seed_state(seeds)
         if self.config.profile:
             self.ops.reset()
         self.last_step, self.num_steps = None, 0
+        pool_now = pool.total_bytes() if pool is not None else 0
         log.info("warm-up: %d prefill tokens in %d sequences and a mixed step, %.2f s; "
                  "activation pool %.1f MiB (grew %.1f MiB)", sum(lengths), len(lengths),
-                 time.perf_counter() - t0, pool_bytes() / 2**20, (pool_bytes() - grown_from) / 2**20)
+                 time.perf_counter() - t0, pool_now / 2**20, (pool_now - grown_from) / 2**20)
 
     def _num_kv_blocks(self, spec, num_slots: int) -> int:
         cfg = self.config

@@ -48,6 +48,17 @@ class ModelRunner:
             self._generators[request.request_id] = gen
         return gen
 
+    def seed_state(self):
+        """Where the streams that seed unseeded requests stand (rewind with restore_seed_state)."""
+        sampler = self.gpu_sampler
+        return (self._num_generators_made,
+                None if sampler is None else sampler.seed_stream_state)
+
+    def restore_seed_state(self, state) -> None:
+        self._num_generators_made, rng_state = state
+        if self.gpu_sampler is not None:
+            self.gpu_sampler.seed_stream_state = rng_state
+
     def release(self, request_id: str) -> None:
         """Forget a finished or aborted request's sampler state."""
         self._generators.pop(request_id, None)

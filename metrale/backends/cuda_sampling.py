@@ -72,6 +72,15 @@ class GpuSampler:
         self._slot_seed = self.rows.slot_seed
         self._slot_seeded = self.rows.slot_seeded
 
+    # -- the stream that seeds rows without a seed ---------------------------------------------
+    @property
+    def seed_stream_state(self) -> dict:
+        return self._rng.bit_generator.state
+
+    @seed_stream_state.setter
+    def seed_stream_state(self, state: dict) -> None:
+        self._rng.bit_generator.state = state   # in place: SamplerParamRows holds this generator
+
     # -- per-sequence state ---------------------------------------------------------------------
     def begin(self, slot: int, prompt_ids=()) -> None:
         """Sequence starts in `slot`: clear its counts, mark its prompt tokens (repetition
