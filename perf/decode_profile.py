@@ -84,49 +84,6 @@ def profile_prefill(core, isl: int, vocab: int, rng, reps: int = 5) -> dict:
                 gpu_busy_ms_p50=1e3 * statistics.median(busy))
 
 
-def profile_prefill_host(core, isl: int, batch: int, vocab: int, rng, reps: int = 5,
-                         top: int = 30) -> dict:
-    """Eager prefill steps of `batch` requests of `isl` tokens without CUPTI: their wall time,
-    then the same under cProfile, printing the Python functions by own time (where the host
-    time of a prefill step goes)."""
-    import cProfile
-    import io
-    import pstats
-
-    import cupy as cp
-
-    from metrale.request import Request
-    from metrale.sampling import SamplingParams
-
-    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-
-    def one_step() -> float:
-        for i in range(batch):
-            ids = [int(t) for t in rng.integers(100, vocab - 100, isl)]
-            core.add_request(Request(f"hp-{i}-{time.perf_counter()}", ids, params))
-        cp.cuda.runtime.deviceSynchronize()
-        t0 = time.perf_counter()
-        core.step()
-        wall = time.perf_counter() - t0
-        while core.has_unfinished():
-            core.step()
-        cp.cuda.runtime.deviceSynchronize()
-        return wall
-
-    one_step()                          # warm-up
-    walls = [one_step() for _ in range(reps)]
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(reps):
-        one_step()
-    prof.disable()
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
-    print(f"prefill host profile B={batch} ISL={isl} ({reps} steps + their 1-token finish):")
-    print(buf.getvalue())
-    return dict(isl=isl, batch=batch, wall_ms_p50=1e3 * statistics.median(walls))
-
-
 def profile_batch(core, batch: int, args, vocab: int, rng) -> dict:
     import cupy as cp
     import torch
@@ -183,28 +140,19 @@ def main() -> int:
     ap.add_argument("--prof-steps", type=int, default=20)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default="perf/results")
-    ap.add_argument("--host-profile", action="store_true",
-                    help="also cProfile eager prefill steps at B = 1 and 8 (no CUPTI)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     bw = measure_copy_bw()
     ckpt, shapes = synthetic_checkpoint(args.shape)
     cfg = ckpt.config
-    seqs = max(batches + ([8] if args.host_profile else []))
     core = EngineCore(ckpt, EngineConfig(device="cuda", max_seq_len=args.isl + 4096,
-                                         max_batch_size=seqs, max_num_seqs=seqs,
+                                         max_batch_size=max(batches), max_num_seqs=max(batches),
                                          seed=0))
     import numpy as np
     rng = np.random.default_rng(0)
     prefill = profile_prefill(core, args.isl, cfg["vocab_size"], rng)
     print(f"{args.shape} prefill of {args.isl} tokens: wall {prefill['wall_ms_p50']:.2f} ms, GPU busy "
           f"{prefill['gpu_busy_ms_p50']:.2f} ms (the rest is host time: launches)")
-    if args.host_profile:
-        prefill["host"] = [profile_prefill_host(core, args.isl, b, cfg["vocab_size"], rng)
-                           for b in (1, 8)]
-        for h in prefill["host"]:
-            print(f"{args.shape} prefill B={h['batch']} x {h['isl']} tokens without CUPTI: "
-                  f"wall {h['wall_ms_p50']:.2f} ms")
     results = []
     for b in batches:
         r = profile_batch(core, b, args, cfg["vocab_size"], rng)

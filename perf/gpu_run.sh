@@ -6,7 +6,6 @@
 #   PYTEST_ARGS="-k attention" ...  a subset of the GPU tests
 #   PYTEST_FILES="tests/test_gpu_models.py" ...  other test files (default: test_cuda_*, test_gpu_*)
 #   PROFILE="qwen3_5_9b:1,64 ..."  per-kernel decode profiles (perf/decode_profile.py) first
-#   PROFILE_ARGS="--host-profile" ...  extra decode_profile.py flags (cProfile of prefill steps)
 #   SKIP_TESTS=1 ...  no GPU tests
 #   BUNDLE=1 ...  pack everything under OUTDIR into OUTDIR/bundle.tgz (the device returns 8 files)
 #   MOE_BENCH=1 / GEMM_BENCH=1 ...  with SKIP_OPS: just the MoE / decode-GEMM op benchmarks
@@ -42,7 +41,7 @@ fi
 
 for spec in ${PROFILE:-}; do
   echo "== decode profile $spec"
-  "$PY" perf/decode_profile.py --shape "${spec%%:*}" --batch "${spec#*:}" --out "$OUTDIR" ${PROFILE_ARGS:-} 2>&1 \
+  "$PY" perf/decode_profile.py --shape "${spec%%:*}" --batch "${spec#*:}" --out "$OUTDIR" 2>&1 \
     | tee "$OUTDIR/profile_${spec%%:*}.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done

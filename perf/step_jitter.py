@@ -1,6 +1,7 @@
-"""Why an eager (prefill / mixed) step's host time varies in a server: repeated steps of one
-shape (spread, and the time spent in Python's garbage collector in each), and the first step of
-each new token count (CuPy memory-pool growth: cudaMalloc), cProfiled. A diagnostic, not a test.
+"""Where an eager (prefill / mixed) step's host time goes and why it varies in a server: repeated
+steps of one shape (spread, the time spent in Python's garbage collector in each, and a cProfile
+of them by own time), and the first step of each new token count (CuPy memory-pool growth:
+cudaMalloc), cProfiled. A diagnostic, not a test.
 
     python perf/step_jitter.py --shape smollm2_135m --out DIR
 
@@ -42,6 +43,12 @@ class GcClock:
 
     def reset(self):
         self.seconds, self.counts = 0.0, [0, 0, 0]
+
+
+def print_profile(prof: cProfile.Profile, top: int, title: str) -> None:
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    print(f"{title}, Python functions by own time:\n{buf.getvalue()}")
 
 
 def main() -> int:
@@ -96,6 +103,10 @@ def main() -> int:
           f"min {min(walls):.2f} max {max(walls):.2f}; gc ms total {sum(r['gc_ms'] for r in same):.2f}")
     for r in same:
         print(f"   {r['wall_ms']:7.2f} ms  gc {r['gc_ms']:6.2f} ms {r['gc_counts']}  pool +{r['pool_growth_mib']:.1f} MiB")
+    prof = cProfile.Profile()
+    for _ in range(5):
+        prefill_step(1, prof)
+    print_profile(prof, 30, f"5 x prefill 1 x {args.isl}, steady state")
     firsts = []
     for nseq in (3, 5, 7, 3, 5, 7):
         prof = cProfile.Profile()
@@ -104,9 +115,7 @@ def main() -> int:
         print(f"prefill {nseq} x {args.isl} ({'first' if len(firsts) <= 3 else 'again'}): wall {r['wall_ms']:.2f} ms, "
               f"gc {r['gc_ms']:.2f} ms, pool +{r['pool_growth_mib']:.1f} MiB")
         if len(firsts) <= 3:
-            buf = io.StringIO()
-            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(12)
-            print(buf.getvalue())
+            print_profile(prof, 12, f"first prefill {nseq} x {args.isl}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"step_jitter_{args.shape}_{datetime.datetime.now().strftime('%Y%m%d_%H%M%S')}.json"
