@@ -27,7 +27,9 @@
 //   prefill_attn_d<D>   any batch (prefill chunks, mixed, qlen > 1). Work item = (sequence,
 //                       first new-token index q0) from a host-built list int32 [nwork, 2]; grid
 //                       (nwork, Hk). 64 rows per CTA = BQ = 64 / G tokens x G heads, keys in
-//                       tiles of BK, causal tiles past the last row are never loaded.
+//                       tiles of BK, causal tiles past the last row are never loaded. An item
+//                       with q0 >= its sequence's new-token count does nothing (a fixed-size
+//                       list is padded with such items: the captured step graphs).
 //                       FLOPs: 4 * D * Hq * sum over rows of visible keys (~half a square).
 //
 // Tensor-core twins (CudaOps(attn_impl="mma"), the default; same arguments except decode has no
@@ -275,6 +277,7 @@ __device__ void prefill_attn_impl(const bf16* __restrict__ q, long long qs_t, lo
     const int qlen = qsl[b + 1] - qstart;
     const int ctx = seq_len - qlen;
     const int nq = min(BQ, qlen - q0);
+    if (nq <= 0) return;  // a padding entry of a fixed-size work list (captured step graphs)
     const int nrows = nq * G;
     const int kv_end = ctx + q0 + nq;  // keys [0, kv_end) are visible to some row of this tile
     const int* bt_row = block_tables + (long long)b * bt_stride;
@@ -497,6 +500,7 @@ __device__ void prefill_mma_impl(const bf16* __restrict__ q, long long qs_t, lon
     const int qlen = qsl[b + 1] - qstart;
     const int ctx = seq_len - qlen;
     const int nq = min(BQ, qlen - q0);
+    if (nq <= 0) return;  // a padding entry of a fixed-size work list (captured step graphs)
     const int nrows = nq * G;
     const int kv_end = ctx + q0 + nq;     // keys [0, kv_end) are visible to some row
     const int diag = ctx + q0;            // keys <= diag are visible to every row

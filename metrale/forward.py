@@ -108,3 +108,20 @@ def contiguous_batch(
         logits_indices=logits_indices,
         block_size=block_size,
     )
+
+
+def prefill_work_list(query_start_loc, seq_lens, bq: int) -> np.ndarray:
+    """int32 [nwork, 2] (sequence, first new-token index) tiles of `bq` query tokens for the
+    prefill attention kernels, ordered by decreasing number of visible keys (the long causal
+    tiles start first, the short ones fill the tail). Sequences with no new tokens add none;
+    at most ceil(T / bq) + B items for T new tokens over B sequences."""
+    qsl = np.asarray(query_start_loc).astype(np.int64)
+    qlens = np.diff(qsl)
+    seq = np.repeat(np.arange(len(qlens)), -(-qlens // bq))
+    if not len(seq):
+        return np.zeros((0, 2), np.int32)
+    starts = np.concatenate([np.arange(0, n, bq) for n in qlens])
+    ctx = np.asarray(seq_lens).astype(np.int64)[: len(qlens)] - qlens
+    keys = ctx[seq] + np.minimum(starts + bq, qlens[seq])
+    order = np.argsort(-keys, kind="stable")
+    return np.stack([seq[order], starts[order]], axis=1).astype(np.int32)

@@ -232,6 +232,8 @@ class CpuOps:
         flat_k, flat_v = k_cache.reshape(-1, hk, d), v_cache.reshape(-1, hk, d)
         for i in range(batch.num_seqs):
             rows = _seq_rows(batch, i)
+            if rows.stop == rows.start:     # no new tokens (an empty row of a padded step)
+                continue
             slots = _seq_slots(batch, i, int(batch.seq_lens[i]))
             out[rows] = _attend(_f32(q[rows]), _f32(flat_k[slots]), _f32(flat_v[slots]),
                                 _context_len(batch, i), scale)
