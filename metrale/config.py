@@ -54,6 +54,7 @@ class EngineConfig:
     default_top_n_sigma: float = 0.0
     profile: bool = False
     warmup: str = "auto"                  # startup warm-up: auto (on for cuda) | on | off
+    prefill_graphs: str = "off"           # CUDA graphs for prefill / mixed steps too: on | off
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -72,6 +73,8 @@ class EngineConfig:
                               f"got {self.ssm_h_dtype!r}")
         if self.warmup not in ("auto", "on", "off"):
             raise ConfigError(f"--warmup must be auto, on or off, got {self.warmup!r}")
+        if self.prefill_graphs not in ("on", "off"):
+            raise ConfigError(f"--prefill-graphs must be on or off, got {self.prefill_graphs!r}")
         if self.scheduler not in ("fifo", "slai"):
             raise ConfigError(f"--scheduler must be fifo or slai, got {self.scheduler!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

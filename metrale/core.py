@@ -114,6 +114,34 @@ class EngineCore:
         self.runner.graphs = graphs
         log.info("captured %d decode graphs (batch buckets %s)", len(graphs.graphs),
                  sorted(graphs.graphs))
+        if cfg.prefill_graphs == "on":
+            self._setup_step_graphs(graphs, num_blocks, num_slots)
+
+    def _setup_step_graphs(self, decode_graphs, num_blocks: int, num_slots: int) -> None:
+        """--prefill-graphs on: capture prefill / mixed steps per token bucket (metrale.cuda_graphs
+        StepGraphs) when every layer of the model allows it; out of memory while capturing, they
+        stay off (the steps run eagerly) and the log says so."""
+        from metrale.cuda_graphs import StepGraphs, step_graph_support
+
+        cfg = self.config
+        why = step_graph_support(self.model)
+        if why is not None:
+            log.info("--prefill-graphs: off for this model (%s); prefill steps run eagerly", why)
+            return
+        t0 = time.perf_counter()
+        try:
+            steps = StepGraphs(self.model, self.ops, self.caches, cfg.max_prefill_tokens,
+                               cfg.max_batch_size, -(-cfg.max_seq_len // cfg.block_size),
+                               spare_block=num_blocks, spare_slot=num_slots,
+                               pool=decode_graphs.pool, stream=decode_graphs.stream)
+            steps.capture()
+        except self.ops.cp.cuda.memory.OutOfMemoryError as e:
+            log.warning("--prefill-graphs: out of memory while capturing (%s); prefill steps run "
+                        "eagerly (lower --max-prefill-tokens or --gpu-memory-utilization)", e)
+            return
+        self.runner.step_graphs = steps
+        log.info("captured %d prefill graphs (token buckets %s), %.2f s", len(steps.graphs),
+                 sorted(steps.graphs), time.perf_counter() - t0)
 
     def _new_scheduler(self) -> Scheduler:
         return Scheduler(self.config, num_kv_blocks=self._num_blocks,

@@ -36,6 +36,7 @@ class ModelRunner:
         self._generators: dict[str, np.random.Generator] = {}
         self.swap = None            # metrale.cache.swap.SwapSpace when --swap-space-gb > 0
         self.graphs = None          # metrale.cuda_graphs.DecodeGraphs on the CUDA backend
+        self.step_graphs = None     # metrale.cuda_graphs.StepGraphs (--prefill-graphs on)
         self.gpu_sampler = None     # metrale.backends.cuda_sampling.GpuSampler on CUDA
         self._sampler_slot: dict[str, int] = {}
 
@@ -98,8 +99,11 @@ class ModelRunner:
         if not seqs:
             hook()
             return {}
-        # a decode step replays its captured graph, packed straight from the ScheduledSeqs
+        # a decode step replays its captured graph, packed straight from the ScheduledSeqs;
+        # with --prefill-graphs any other step that fits a token bucket replays one too
         logits = self.graphs.run_decode(seqs) if self.graphs is not None else None
+        if logits is None and self.step_graphs is not None:
+            logits = self.step_graphs.run_step(seqs)
         if logits is not None:
             sampling = [s for s in seqs if s.sample]
             if len(sampling) != len(seqs):

@@ -9,6 +9,7 @@
 #   SKIP_TESTS=1 ...  no GPU tests
 #   BUNDLE=1 ...  pack everything under OUTDIR into OUTDIR/bundle.tgz (the device returns 8 files)
 #   MOE_BENCH=1 / GEMM_BENCH=1 ...  with SKIP_OPS: just the MoE / decode-GEMM op benchmarks
+#   LADDER_ARGS="--prefill-graphs on" ...  extra perf/ladder.py arguments for every ladder
 #
 # Wheels the GPU image lacks (pyzmq, falcon, gunicorn, orjson) are installed from ./.whl when it
 # exists (fetch them beforehand with ../shared/tools/gpu-wheels.sh from the project root).
@@ -78,7 +79,7 @@ fi
 for shape in ${LADDER-smollm2_135m qwen3_5_9b qwen3_5_27b qwen3_5_35b_a3b}; do
   echo "== ladder $shape"
   "$PY" perf/ladder.py --shape "$shape" --osl "${LADDER_OSL:-256}" --conc "${LADDER_CONC:-1,2,4,8,16,32,64,128}" \
-    --reps "${LADDER_REPS:-3}" --out "$OUTDIR" 2>&1 | tee "$OUTDIR/ladder_$shape.log"
+    --reps "${LADDER_REPS:-3}" --out "$OUTDIR" ${LADDER_ARGS:-} 2>&1 | tee "$OUTDIR/ladder_$shape.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
 
@@ -86,7 +87,7 @@ done
 for shape in ${LADDER_HTTP-smollm2_135m qwen3_5_9b}; do
   echo "== http ladder $shape"
   "$PY" perf/ladder.py --http --shape "$shape" --osl "${LADDER_OSL:-256}" --conc "${LADDER_CONC:-1,2,4,8,16,32,64,128}" \
-    --reps "${LADDER_REPS:-3}" --out "$OUTDIR" 2>&1 | tee "$OUTDIR/ladder_http_$shape.log"
+    --reps "${LADDER_REPS:-3}" --out "$OUTDIR" ${LADDER_ARGS:-} 2>&1 | tee "$OUTDIR/ladder_http_$shape.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
 

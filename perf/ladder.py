@@ -273,7 +273,8 @@ def start_server(folder: Path, args, max_conc: int, port: int):
     cmd = [sys.executable, "-m", "metrale.cli", "serve", str(folder), "--load-format", "dummy",
            "--device", args.device, "--port", str(port), "--max-batch-size", str(max_conc),
            "--max-num-seqs", str(max_conc), "--max-seq-len", str(args.isl + args.osl + 32),
-           "--frontends", str(args.frontends), "--no-event-log", "--swap-space-gb", "0"]
+           "--frontends", str(args.frontends), "--no-event-log", "--swap-space-gb", "0",
+           "--prefill-graphs", args.prefill_graphs]
     # the server's output goes to a file: a pipe nobody reads fills up (64 KiB) and then blocks
     # the engine's next log line, which is how the first GPU HTTP ladder stalled at C = 128
     log_path = Path(args.out) / f"serve_{args.shape}.log"
@@ -342,6 +343,8 @@ def main(argv=None) -> int:
     ap.add_argument("--port", type=int, default=8899)
     ap.add_argument("--client-procs", type=int, default=4,
                     help="HTTP client processes the C streams are spread over")
+    ap.add_argument("--prefill-graphs", default="off", choices=("on", "off"),
+                    help="the engine's --prefill-graphs (prefill / mixed steps from CUDA graphs)")
     args = ap.parse_args(argv)
     if args.http:
         return main_http(args)
@@ -366,7 +369,8 @@ def main(argv=None) -> int:
         shapes = tensor_shapes(hf_config(args.shape)[0])
     core = EngineCore(ckpt, EngineConfig(
         device=args.device, max_seq_len=args.isl + args.osl + 32, max_batch_size=max(rungs),
-        max_num_seqs=max(rungs), max_prefill_tokens=max(8192, args.isl * 8), seed=0))
+        max_num_seqs=max(rungs), max_prefill_tokens=max(8192, args.isl * 8), seed=0,
+        prefill_graphs=args.prefill_graphs))
     load_s = time.perf_counter() - t0
     cfg = ckpt.config
     rng = np.random.default_rng(0)
@@ -406,7 +410,7 @@ def write_record(args, prefix: str, record: dict) -> Path:
     """perf results JSON: commit, date, shape and workload first, then the figures."""
     record = dict(commit=git_commit(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                   shape=args.shape, model_config=SHAPES[args.shape], dtype="bfloat16",
-                  isl=args.isl, osl=args.osl, reps=args.reps, **record)
+                  isl=args.isl, osl=args.osl, reps=args.reps, prefill_graphs=args.prefill_graphs, **record)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")

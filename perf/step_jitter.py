@@ -65,11 +65,13 @@ def main() -> int:
     ap.add_argument("--isl", type=int, default=128)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default="perf/results")
+    ap.add_argument("--prefill-graphs", default="off", choices=("on", "off"),
+                    help="the engine's --prefill-graphs: the steps replay captured graphs")
     args = ap.parse_args()
     ckpt, _ = synthetic_checkpoint(args.shape)
     vocab = ckpt.config["vocab_size"]
     core = EngineCore(ckpt, EngineConfig(device="cuda", max_seq_len=args.isl + 512, max_batch_size=32,
-                                         max_num_seqs=32, seed=0))
+                                         max_num_seqs=32, seed=0, prefill_graphs=args.prefill_graphs))
     pool = cp.get_default_memory_pool()
     rng = np.random.default_rng(0)
     clock = GcClock()
@@ -122,6 +124,7 @@ def main() -> int:
     path.write_text(json.dumps(dict(
         commit=git_commit(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
         device=cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), shape=args.shape, isl=args.isl,
+        prefill_graphs=args.prefill_graphs,
         repeated=same, new_shapes=firsts), indent=1))
     print(f"wrote {path}")
     return 0

@@ -29,7 +29,7 @@ import numpy as np
 from metrale import levers
 from metrale.backends import cublas as _cublas
 from metrale.backends.base import compose_qk_norm_rope_write_kv
-from metrale.forward import ForwardBatch
+from metrale.forward import ForwardBatch, prefill_work_list
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
@@ -616,7 +616,7 @@ class CudaOps:
         m = bt.shape[1]
         common = (_ptr(q), np.int64(_estride(q, 0)), np.int64(_estride(q, 1)), _ptr(k_cache), _ptr(v_cache),
                   _ptr(bt), np.int32(m), _ptr(batch.seq_lens), _ptr(batch.query_start_loc))
-        if batch.is_decode:
+        if batch.is_decode and getattr(batch, "work", None) is None:
             b = t
             mma = self.attn_decode_impl == "mma"
             if mma:
@@ -688,31 +688,36 @@ class CudaOps:
         return int(min(cap, max(64, -(-per // 64) * 64)))
 
     def _work_list(self, batch: ForwardBatch, bq: int):
-        """int32 [nwork, 2] (sequence, first new-token index) tiles of `bq` query tokens, built on
-        the host from the batch's host copy (one small upload per batch and tile size). Ordered
-        by decreasing number of visible keys, so the long causal tiles start first and the short
-        ones fill the tail."""
+        """int32 [nwork, 2] (sequence, first new-token index) tiles of `bq` query tokens
+        (metrale.forward.prefill_work_list), built on the host from the batch's host copy (one
+        small upload per batch and tile size). A captured step graph's batch carries its own
+        fixed-size lists in `batch.work` ({bq: device array}, padded with no-op items)."""
+        static = getattr(batch, "work", None)
+        if static is not None:
+            if bq not in static:
+                raise ValueError(f"attention: the batch's work lists are for tiles {sorted(static)}, "
+                                 f"this layer needs {bq}")
+            return static[bq]
         cache = getattr(batch, "_work", None)
         if cache is None:
             cache = batch._work = {}
         if bq not in cache:
             host = _host_of(batch)
             if host is not None:
-                qsl, seq_lens = np.asarray(host.query_start_loc), np.asarray(host.seq_lens)
+                qsl, seq_lens = host.query_start_loc, host.seq_lens
             else:  # a sync: only without .host
                 qsl, seq_lens = self.cp.asnumpy(batch.query_start_loc), self.cp.asnumpy(batch.seq_lens)
-            qlens = np.diff(qsl.astype(np.int64))
-            seq = np.repeat(np.arange(len(qlens)), -(-qlens // bq))
-            starts = np.concatenate([np.arange(0, n, bq) for n in qlens]) if len(qlens) else np.zeros(0)
-            if len(seq):
-                ctx = seq_lens.astype(np.int64)[: len(qlens)] - qlens
-                keys = ctx[seq] + np.minimum(starts + bq, qlens[seq])
-                order = np.argsort(-keys, kind="stable")
-                work = np.stack([seq[order], starts[order]], axis=1).astype(np.int32)
-            else:
-                work = np.zeros((0, 2), np.int32)
-            cache[bq] = self.cp.asarray(work)
+            cache[bq] = self.cp.asarray(prefill_work_list(qsl, seq_lens, bq))
         return cache[bq]
+
+    def prefill_tile_tokens(self, n_heads: int, n_kv_heads: int, head_dim: int) -> int:
+        """Query tokens per work item of the prefill attention kernel for this head shape (the
+        `bq` of its work list)."""
+        rows = ATTN_MMA_ROWS if self.attn_prefill_impl == "mma" else PREFILL_ROWS
+        g = n_heads // n_kv_heads
+        if g > rows or head_dim not in ATTN_BK:
+            raise NotImplementedError(f"attention: {n_heads}/{n_kv_heads} heads of {head_dim} not supported")
+        return rows // g
 
     # -- Gated DeltaNet and MoE: metrale.backends.cuda_gdn (kernels_cuda/gdn*.cu, moe.cu) -----
     def _gdn(self, fn: str):
