@@ -46,6 +46,27 @@ def _layout(bucket: int, width: int) -> list[tuple[str, tuple[int, ...]]]:
             ("state_slots", (bucket,)), ("logits_indices", (bucket,))]
 
 
+def _layout_size(layout) -> int:
+    return sum(int(np.prod(shape)) for _, shape in layout)
+
+
+def _views(buf, layout) -> dict:
+    """Consecutive views of the flat buffer `buf` (numpy or cupy), one per (name, shape)."""
+    views, off = {}, 0
+    for name, shape in layout:
+        n = int(np.prod(shape))
+        views[name] = buf[off: off + n].reshape(shape)
+        off += n
+    return views
+
+
+def _checked_host(host: np.ndarray, size: int, bucket: int) -> np.ndarray:
+    if host.dtype != np.int32 or host.shape != (size,):
+        raise ValueError(f"bucket {bucket}: host buffer must be int32 [{size}], got {host.dtype} {host.shape}")
+    host[:] = 0
+    return host
+
+
 class GraphInputs:
     """One bucket's input buffer on the host: int32, laid out as the ForwardBatch fields
     (`_layout`), with a numpy view per field. On CUDA the buffer is pinned memory and the
@@ -54,18 +75,9 @@ class GraphInputs:
     def __init__(self, bucket: int, width: int, host: np.ndarray):
         self.bucket, self.width = bucket, width
         self.layout = _layout(bucket, width)
-        self.size = sum(int(np.prod(s)) for _, s in self.layout)
-        if host.dtype != np.int32 or host.shape != (self.size,):
-            raise ValueError(f"bucket {bucket}: host buffer must be int32 [{self.size}], "
-                             f"got {host.dtype} {host.shape}")
-        self.host_view = host
-        self.views: dict[str, np.ndarray] = {}
-        off = 0
-        for name, shape in self.layout:
-            n = int(np.prod(shape))
-            self.views[name] = host[off: off + n].reshape(shape)
-            off += n
-        host[:] = 0
+        self.size = _layout_size(self.layout)
+        self.host_view = _checked_host(host, self.size, bucket)
+        self.views: dict[str, np.ndarray] = _views(host, self.layout)
         self.views["query_start_loc"][:] = np.arange(bucket + 1, dtype=np.int32)
         self.views["logits_indices"][:] = np.arange(bucket, dtype=np.int32)
         # what each block-table row holds (see metrale._hot.pack.pack_decode): unknown at first
@@ -109,7 +121,7 @@ class DecodeInputs:
         self.spare_block, self.spare_slot = spare_block, spare_slot
         self.buckets: dict[int, GraphInputs] = {}
         for b in buckets_for(max_batch):
-            size = sum(int(np.prod(s)) for _, s in _layout(b, width))
+            size = _layout_size(_layout(b, width))
             self.buckets[b] = GraphInputs(b, width, alloc(size))
         self.max_batch = max(self.buckets)
         self._bucket_of = [min(b for b in self.buckets if b >= n)
@@ -151,12 +163,7 @@ class _Graph:
         self.logits = None
 
     def batch(self, block_size: int) -> ForwardBatch:
-        views, off = {}, 0
-        for name, shape in self.inputs.layout:
-            n = int(np.prod(shape))
-            views[name] = self.device[off: off + n].reshape(shape)
-            off += n
-        return ForwardBatch(**views, block_size=block_size)
+        return ForwardBatch(**_views(self.device, self.inputs.layout), block_size=block_size)
 
 
 class DecodeGraphs:
@@ -276,18 +283,9 @@ class StepInputs:
     def __init__(self, tokens: int, rows: int, width: int, tiles, host: np.ndarray):
         self.tokens, self.rows, self.width, self.tiles = tokens, rows, width, tuple(sorted(tiles))
         self.layout = _step_layout(tokens, rows, width, self.tiles)
-        self.size = sum(int(np.prod(s)) for _, s in self.layout)
-        if host.dtype != np.int32 or host.shape != (self.size,):
-            raise ValueError(f"bucket {tokens}: host buffer must be int32 [{self.size}], "
-                             f"got {host.dtype} {host.shape}")
-        self.host_view = host
-        self.views: dict[str, np.ndarray] = {}
-        off = 0
-        for name, shape in self.layout:
-            n = int(np.prod(shape))
-            self.views[name] = host[off: off + n].reshape(shape)
-            off += n
-        host[:] = 0
+        self.size = _layout_size(self.layout)
+        self.host_view = _checked_host(host, self.size, tokens)
+        self.views: dict[str, np.ndarray] = _views(host, self.layout)
 
     def fits(self, num_tokens: int, num_seqs: int) -> bool:
         return num_tokens <= self.tokens and num_seqs < self.rows
@@ -382,21 +380,13 @@ class StepGraphs:
         self.graphs: dict[int, dict] = {}
         for tokens in step_buckets_for(cap):
             rows = min(tokens, max_batch) + 1
-            size = sum(int(np.prod(s)) for _, s in _step_layout(tokens, rows, self.width, tiles))
+            size = _layout_size(_step_layout(tokens, rows, self.width, tiles))
             mem = self.cp.cuda.alloc_pinned_memory(size * 4)
             host = np.frombuffer(mem, np.int32, size)
             inputs = StepInputs(tokens, rows, self.width, tiles, host)
             self.graphs[tokens] = {"inputs": inputs, "pinned": mem, "device": None, "graph": None,
                                    "logits": None}
         self.max_tokens = max(self.graphs)
-
-    def _device_views(self, g) -> dict:
-        views, off = {}, 0
-        for name, shape in g["inputs"].layout:
-            n = int(np.prod(shape))
-            views[name] = g["device"][off: off + n].reshape(shape)
-            off += n
-        return views
 
     def capture(self) -> None:
         """Capture every bucket, largest first (its pool blocks then serve the smaller ones)."""
@@ -408,7 +398,7 @@ class StepGraphs:
                 g["device"] = cp.zeros(inputs.size, dtype=np.int32)
                 inputs.pack_padding(self.spare_block, self.spare_slot)
                 g["device"].set(inputs.host_view, stream=self.stream)
-                batch = inputs.batch(self._device_views(g), self.block_size)
+                batch = inputs.batch(_views(g["device"], inputs.layout), self.block_size)
                 self.model.forward(batch, self.caches)          # warm-up: kernels loaded, pool filled
                 self.stream.synchronize()
                 self.stream.begin_capture()

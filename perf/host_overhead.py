@@ -110,11 +110,13 @@ class NullGpuSampler:
     def begin(self, slot: int, prompt_ids=()) -> None:
         self.rows.begin(slot)
 
-    def sample(self, logits, params, steps, slots=None, logprobs=False):
+    def sample(self, logits, params, steps, slots=None, logprobs=False, before_wait=None):
         if logprobs:
             raise NotImplementedError("the null sampler returns tokens only")
         slots = np.arange(len(params)) if slots is None else slots
         self._pack(params, steps, slots)
+        if before_wait is not None:     # where the engine publishes the previous step (GpuSampler)
+            before_wait()
         return np.full(len(params), self.token, dtype=np.int32)
 
 
