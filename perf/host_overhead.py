@@ -14,6 +14,11 @@ So the figures are the Python/Cython work of a CUDA decode step; the CUDA API ca
 (2 async H2D copies, 1 graph launch, 2 sampler kernel launches at ~21 us each, 1 D2H copy:
 DESIGN.md section 7) come on top.
 
+`--prefill`: the same for prefill steps (B fresh prompts of ISL tokens in one step) replayed
+from step graphs (--prefill-graphs on): the real host side (metrale.cuda_graphs.StepInputs: the
+step padded into its token bucket, work lists included), then fixed logits. An eager prefill
+step instead launches every kernel from Python (~9 ms for SmolLM2 1 x 128 on the H200 host).
+
 Workload (the ladder's, perf/ladder.py): B requests of ISL 128 random tokens, greedy,
 ignore_eos, OSL 256; all decode in lockstep (block boundaries crossed every 16 steps). Timed:
 every decode step after a few warm-up steps, with time.perf_counter around each phase:
@@ -47,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from metrale._hot.sampler_rows import SamplerParamRows
 from metrale.config import EngineConfig
 from metrale.core import EngineCore
-from metrale.cuda_graphs import DecodeInputs
+from metrale.cuda_graphs import DecodeInputs, StepInputs, _layout_size, _step_layout, step_buckets_for
 from metrale.models.dummy import DummyCheckpoint, _NoTensors
 from metrale.request import Request
 from metrale.sampling import SamplingParams
@@ -97,6 +102,32 @@ class NullGraphs:
         return self.logits[: len(seqs)]
 
 
+class NullStepGraphs:
+    """StepGraphs without the device: the real padding into the token bucket, then fixed logits."""
+
+    def __init__(self, max_tokens: int, max_batch: int, width: int, block_size: int, spare_block: int,
+                 spare_slot: int, logits: np.ndarray, timer: Timer, tiles=(14,)):
+        self.inputs = []
+        for tokens in step_buckets_for(max_tokens):
+            rows = min(tokens, max_batch) + 1
+            size = _layout_size(_step_layout(tokens, rows, width, tiles))
+            self.inputs.append(StepInputs(tokens, rows, width, tiles, np.zeros(size, np.int32)))
+        self.block_size, self.spare = block_size, (spare_block, spare_slot)
+        self.logits = logits
+        self._pack = timer.wrap("pack", self._pack_step)
+
+    def _pack_step(self, seqs) -> int:
+        t = sum(s.num_new_tokens for s in seqs)
+        for inp in self.inputs:
+            if inp.fits(t, len(seqs)):
+                return inp.pack(seqs, self.block_size, *self.spare)
+        return -1
+
+    def run_step(self, seqs):
+        b = self._pack(seqs)
+        return None if b < 0 else self.logits[:b]
+
+
 class NullGpuSampler:
     """GpuSampler without the device: the real parameter packing, then a fixed token."""
 
@@ -120,7 +151,7 @@ class NullGpuSampler:
         return np.full(len(params), self.token, dtype=np.int32)
 
 
-def make_core(vocab: int, batch: int, max_seq_len: int, timer: Timer) -> EngineCore:
+def make_core(vocab: int, batch: int, max_seq_len: int, timer: Timer, step_graphs: bool = False) -> EngineCore:
     cfg = dict(model_type="llama", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                num_attention_heads=2, num_key_value_heads=1, vocab_size=vocab,
                rms_norm_eps=1e-5, rope_theta=1e4, tie_word_embeddings=True,
@@ -139,6 +170,9 @@ def make_core(vocab: int, batch: int, max_seq_len: int, timer: Timer) -> EngineC
     inputs = DecodeInputs(batch, -(-max_seq_len // bs), bs,
                           spare_block=sched.block_pool.num_blocks, spare_slot=batch)
     runner.graphs = NullGraphs(inputs, logits, timer)
+    if step_graphs:     # SmolLM2's tile: 64 rows / 3 q heads per kv head = 21 tokens
+        runner.step_graphs = NullStepGraphs(2048, batch, -(-max_seq_len // bs), bs, sched.block_pool.num_blocks,
+                                            batch, logits, timer, tiles=(21,))
     runner.gpu_sampler = NullGpuSampler(vocab, batch, batch, token, timer)
     sched.schedule = timer.wrap("schedule", sched.schedule)
     sched.update_from_output = timer.wrap("update", sched.update_from_output)
@@ -177,6 +211,37 @@ def measure(vocab: int, batch: int, isl: int, osl: int, warmup: int = 8) -> dict
     return row
 
 
+def measure_prefill(vocab: int, batch: int, isl: int, reps: int = 30) -> dict:
+    """Host time of a prefill step of `batch` fresh ISL-token prompts through null step graphs
+    (each request generates one token, so the step that prefills also finishes them)."""
+    timer = Timer()
+    core = make_core(vocab, batch, isl + 64, timer, step_graphs=True)
+    rng = np.random.default_rng(0)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    step = timer.wrap("step", core.step)
+    per_step: dict[str, list[float]] = {name: [] for name in PHASES}
+    for rep in range(reps + 3):
+        for i in range(batch):
+            ids = [int(t) for t in rng.integers(100, vocab - 100, isl)]
+            core.add_request(Request(f"p{rep}-{i}", ids, params))
+        seen = {name: len(v) for name, v in timer.samples.items()}
+        step()
+        st = core.last_step
+        assert st.num_tokens == batch * isl, (st.num_tokens, batch * isl)
+        if rep >= 3:
+            for name in PHASES:
+                v = timer.samples.get(name, [])
+                per_step[name].append(sum(v[seen.get(name, 0):]))
+        while core.has_unfinished():
+            core.step()
+    row = dict(mode="prefill_graphs", vocab=vocab, batch=batch, isl=isl, steps=len(per_step["step"]))
+    for name in PHASES:
+        v = per_step[name]
+        row[f"{name}_p50_us"] = 1e6 * statistics.median(v)
+        row[f"{name}_p90_us"] = 1e6 * float(np.percentile(v, 90))
+    return row
+
+
 def git_commit() -> str:
     try:
         commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
@@ -196,13 +261,16 @@ def main(argv=None) -> int:
     ap.add_argument("--osl", type=int, default=256)
     ap.add_argument("--out", default="perf/results")
     ap.add_argument("--no-save", action="store_true")
+    ap.add_argument("--prefill", action="store_true",
+                    help="prefill steps through null step graphs (--prefill-graphs on) instead of decode")
     args = ap.parse_args(argv)
     rows = []
     print(f"{'vocab':>7} {'B':>4} " + " ".join(f"{p:>15}" for p in PHASES)
           + "   (us, p50/p90)")
     for vocab in (int(v) for v in args.vocab.split(",")):
         for batch in (int(b) for b in args.batch.split(",")):
-            row = measure(vocab, batch, args.isl, args.osl)
+            row = (measure_prefill(vocab, batch, args.isl) if args.prefill
+                   else measure(vocab, batch, args.isl, args.osl))
             rows.append(row)
             print(f"{vocab:7d} {batch:4d} " + " ".join(
                 f"{row[f'{p}_p50_us']:7.1f}/{row[f'{p}_p90_us']:<7.1f}" for p in PHASES),
@@ -213,7 +281,8 @@ def main(argv=None) -> int:
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                   host=platform.processor() or platform.machine(), python=platform.python_version(),
                   isl=args.isl, osl=args.osl, note="CPU only: null device, host work of the CUDA "
-                  "decode path (cupy calls excluded)", rows=rows)
+                  + ("prefill path with step graphs" if args.prefill else "decode path")
+                  + " (cupy calls excluded)", rows=rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"host_overhead_{datetime.datetime.now().strftime('%Y%m%d_%H%M%S')}.json"
