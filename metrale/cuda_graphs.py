@@ -256,9 +256,8 @@ class DecodeGraphs:
 # (padding row, Tb) items that the kernels skip (q0 past the sequence's tokens). One pinned host
 # buffer, one host->device copy and one graph launch per step, whatever the depth: an eager
 # SmolLM2-135M prefill step of 1 x 128 tokens costs ~9 ms of Python against 1.2 ms of GPU.
-# Logits come back for every real row (the runner keeps the sampling ones).
-# Models whose every layer is attention + dense MLP only (no Gated DeltaNet, no MoE: their prefill
-# kernels size grids from host data).
+# Logits come back for every real row (the runner keeps the sampling ones). GDN rows: the padding
+# row starts fresh and leaves its state in the spare state row; empty rows touch no state.
 
 STEP_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 
@@ -348,18 +347,31 @@ class StepInputs:
 
 
 def step_graph_support(model) -> str | None:
-    """Why `model`'s steps cannot be captured with static shapes (None when they can): every
-    layer must be attention + a dense MLP."""
-    from metrale.models.layers import Attention, DenseMLP
+    """Why `model`'s steps cannot be captured with static shapes (None when they can). The
+    layers known to launch with grids fixed by array shapes alone: attention (its prefill work
+    list comes with the step), Gated DeltaNet (grids (channels, T / seg + B) and (heads, B); rows
+    without new tokens return at once), dense MLPs and MoE (token permutation sized by T x
+    top-k)."""
+    from metrale.models.layers import Attention, DenseMLP, SparseMoe
+    from metrale.models.qwen3_5 import GatedDeltaNet
 
-    for i, layer in enumerate(getattr(model, "layers", None) or []):
-        if not isinstance(layer.mixer, Attention):
-            return f"layer {i} is {type(layer.mixer).__name__} (its prefill kernels size grids from host data)"
-        if not isinstance(layer.mlp, DenseMLP):
-            return f"layer {i}'s MLP is {type(layer.mlp).__name__}"
-    if not getattr(model, "layers", None):
+    layers = getattr(model, "layers", None)
+    if not layers:
         return "the model has no decoder layers"
+    for i, layer in enumerate(layers):
+        if not isinstance(layer.mixer, (Attention, GatedDeltaNet)):
+            return f"layer {i}'s mixer is {type(layer.mixer).__name__}"
+        if not isinstance(layer.mlp, (DenseMLP, SparseMoe)):
+            return f"layer {i}'s MLP is {type(layer.mlp).__name__}"
     return None
+
+
+def step_rows(tokens: int, max_batch: int) -> int:
+    """Sequence rows of a token bucket: every real row, the padding row, and never exactly as
+    many rows as tokens (a batch with T == B would look like a decode step to the ops that pick
+    their decode kernels by shape)."""
+    rows = min(tokens, max_batch) + 1
+    return rows + 1 if rows == tokens else rows
 
 
 class StepGraphs:
@@ -374,12 +386,15 @@ class StepGraphs:
         self.width = max_blocks_per_seq
         self.spare_block, self.spare_slot = spare_block, spare_slot
         self.pool, self.stream = pool, stream
+        from metrale.models.layers import Attention
+
         tiles = sorted({ops.prefill_tile_tokens(l.mixer.shape.n_heads, l.mixer.shape.n_kv_heads,
-                                                l.mixer.shape.head_dim) for l in model.layers})
+                                                l.mixer.shape.head_dim)
+                        for l in model.layers if isinstance(l.mixer, Attention)})
         cap = min(max_tokens, max_blocks_per_seq * self.block_size)
         self.graphs: dict[int, dict] = {}
         for tokens in step_buckets_for(cap):
-            rows = min(tokens, max_batch) + 1
+            rows = step_rows(tokens, max_batch)
             size = _layout_size(_step_layout(tokens, rows, self.width, tiles))
             mem = self.cp.cuda.alloc_pinned_memory(size * 4)
             host = np.frombuffer(mem, np.int32, size)

@@ -52,7 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from metrale._hot.sampler_rows import SamplerParamRows
 from metrale.config import EngineConfig
 from metrale.core import EngineCore
-from metrale.cuda_graphs import DecodeInputs, StepInputs, _layout_size, _step_layout, step_buckets_for
+from metrale.cuda_graphs import (DecodeInputs, StepInputs, _layout_size, _step_layout, step_buckets_for,
+                                  step_rows)
 from metrale.models.dummy import DummyCheckpoint, _NoTensors
 from metrale.request import Request
 from metrale.sampling import SamplingParams
@@ -109,7 +110,7 @@ class NullStepGraphs:
                  spare_slot: int, logits: np.ndarray, timer: Timer, tiles=(14,)):
         self.inputs = []
         for tokens in step_buckets_for(max_tokens):
-            rows = min(tokens, max_batch) + 1
+            rows = step_rows(tokens, max_batch)
             size = _layout_size(_step_layout(tokens, rows, width, tiles))
             self.inputs.append(StepInputs(tokens, rows, width, tiles, np.zeros(size, np.int32)))
         self.block_size, self.spare = block_size, (spare_block, spare_slot)

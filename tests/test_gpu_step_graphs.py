@@ -5,9 +5,10 @@ CPU: the padded step's logits for the real rows equal the eager step's (fp32, rt
 same rows through matrix products with more rows); it writes the same KV (same tolerance) and
 nothing else (its padding tokens have slot -1); its attention work lists cover every real tile
 once and pad with items the kernels skip; an engine whose every step runs padded
-(CpuStepGraphs) serves the same greedy tokens as one that does not. GPU (H200, bf16, not yet
-run): engines with --prefill-graphs on and off agree on greedy continuations up to near-ties,
-and a graphed mixed step's logits match the eager step's within 2e-2 of the largest logit.
+(CpuStepGraphs) serves the same greedy tokens as one that does not (Llama, Qwen3.5 hybrid and
+MoE). GPU (H200, bf16, not yet run): engines with --prefill-graphs on and off agree on greedy
+continuations up to near-ties (Llama, Qwen3.5), and a graphed mixed step's logits match the
+eager step's within 2e-2 of the largest logit.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from metrale.cuda_graphs import (
     _step_layout,
     step_buckets_for,
     step_graph_support,
+    step_rows,
 )
 from metrale.forward import contiguous_batch, prefill_work_list
 from metrale.models.registry import build_model
@@ -91,12 +93,22 @@ def llama(tmp_path_factory):
     return ops, build_model(load_tiny(path), ops)
 
 
-def test_support_is_attention_and_dense_mlp_only(llama, tmp_path):
+def test_support_and_rows(llama, tmp_path):
     _, model = llama
     assert step_graph_support(model) is None
-    ops = CpuOps()
-    hybrid = build_model(load_tiny(make_tiny("qwen3_5", tmp_path / "q")), ops)
-    assert "layer 0" in step_graph_support(hybrid)
+    for arch in ("qwen3_5", "qwen3_5_moe"):
+        assert step_graph_support(build_model(load_tiny(make_tiny(arch, tmp_path / arch)), CpuOps())) is None
+
+    class Mixer:
+        pass
+
+    class Layer:
+        mixer, mlp = Mixer(), None
+
+    assert "layer 0's mixer is Mixer" in step_graph_support(type("M", (), {"layers": [Layer()]})())
+    assert step_graph_support(type("M", (), {"layers": []})()) == "the model has no decoder layers"
+    assert step_rows(64, 8) == 9 and step_rows(16, 256) == 17
+    assert step_rows(16, 15) == 17          # never as many rows as tokens (that shape means decode)
 
 
 def test_padded_step_computes_the_eager_step(llama):
@@ -153,7 +165,7 @@ class CpuStepGraphs:
         width = -(-core.config.max_seq_len // self.bs)
         rows = core.config.max_batch_size
         self.spare = (core._num_blocks, core._num_slots)
-        self.inputs = [_inputs(t, min(t, rows) + 1, width) for t in buckets]
+        self.inputs = [_inputs(t, step_rows(t, rows), width) for t in buckets]
         self.replayed = 0
 
     def run_step(self, seqs):
@@ -168,17 +180,19 @@ class CpuStepGraphs:
         return None
 
 
-def test_engine_with_padded_steps_serves_like_eager(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5", "qwen3_5_moe"])
+def test_engine_with_padded_steps_serves_like_eager(tmp_path, arch):
     """Engines on the CPU backend with and without padded steps: the same greedy tokens for
     one-shot prompts, a prompt longer than the largest bucket (chunked: its middle chunks do
-    not sample), prefix-cache hits and arrivals while others decode (mixed steps)."""
+    not sample), prefix-cache hits (hybrid models: GDN state snapshots restored) and arrivals
+    while others decode (mixed steps)."""
     from metrale.config import EngineConfig
     from metrale.core import EngineCore
     from metrale.models.loader import load_checkpoint
     from metrale.request import Request
     from metrale.sampling import SamplingParams
 
-    path = make_tiny("llama", tmp_path / "llama", seed=4)
+    path = make_tiny(arch, tmp_path / arch, seed=4)
     rng = np.random.default_rng(3)
     shared = rng.integers(0, VOCAB, 21).tolist()
     prompts = [rng.integers(0, VOCAB, n).tolist() for n in (3, 11, 30, 90)]
@@ -188,7 +202,8 @@ def test_engine_with_padded_steps_serves_like_eager(tmp_path):
     for padded in (False, True):
         core = EngineCore(load_checkpoint(str(path)), EngineConfig(
             device="cpu", block_size=4, max_batch_size=4, max_num_seqs=8, max_prefill_tokens=48,
-            max_seq_len=160, enable_prefix_caching=True, request_timeout=0, swap_space_gb=0.0, seed=5))
+            max_seq_len=160, enable_prefix_caching=True, ssm_checkpoint_interval=8, request_timeout=0,
+            swap_space_gb=0.0, seed=5))
         if padded:
             core.runner.step_graphs = CpuStepGraphs(core)
         got = {}
@@ -210,6 +225,9 @@ def test_engine_with_padded_steps_serves_like_eager(tmp_path):
 
 SHAPES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
               head_dim=64)
+# head dims the CUDA kernels are built for (GDN 32 x 32, as tests/test_warmup.py)
+GDN_SHAPES = dict(linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2,
+                  linear_num_value_heads=4)
 
 
 def _engine(path, prefill_graphs: str):
@@ -241,14 +259,16 @@ def _greedy(core, prompts, max_tokens=24, tag=""):
 
 
 @pytest.mark.gpu
-def test_gpu_prefill_graphs_serve_like_eager_steps(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_gpu_prefill_graphs_serve_like_eager_steps(tmp_path, arch):
     """Greedy continuations with and without step graphs: one-shot prompts of several lengths
     (buckets 16 .. 256), a prompt longer than the largest bucket's share (chunked), a shared
     prefix (prefix cache: cached context in a graphed step) and arrivals during decoding (mixed
     steps). bf16 on both sides: every request's first token agrees, and 80 % of all tokens lie
     before their request's first difference (a near-tie)."""
     pytest.importorskip("cupy")
-    path = make_tiny("llama", tmp_path / "llama", dtype="bfloat16", **SHAPES)
+    path = make_tiny(arch, tmp_path / arch, dtype="bfloat16", **SHAPES,
+                     **(GDN_SHAPES if arch == "qwen3_5" else {}))
     rng = np.random.default_rng(1)
     shared = rng.integers(0, VOCAB, 40).tolist()
     prompts = [rng.integers(0, VOCAB, n).tolist() for n in (5, 17, 60, 130, 300)]

@@ -246,6 +246,8 @@ class CpuOps:
         km1 = w.shape[1] - 1
         for i in range(batch.num_seqs):
             rows = _seq_rows(batch, i)
+            if rows.stop == rows.start:     # no new tokens: nothing to compute or carry (as on CUDA)
+                continue
             slot = int(batch.state_slots[i])
             prev = _f32(conv_state[slot]).T if _context_len(batch, i) > 0 else np.zeros((km1, w.shape[0]), F32)
             xs = np.concatenate([prev, _f32(x[rows])], axis=0)            # [K-1+L, C]
@@ -271,6 +273,8 @@ class CpuOps:
         out = np.empty(v.shape, dtype=F32)
         for i in range(batch.num_seqs):
             rows = _seq_rows(batch, i)
+            if rows.stop == rows.start:     # no new tokens: the state stays (as on CUDA)
+                continue
             slot = int(batch.state_slots[i])
             state = (ssm_state[slot].astype(F32) if _context_len(batch, i) > 0
                      else np.zeros(ssm_state.shape[1:], F32))
