@@ -248,10 +248,11 @@ class DecodeGraphs:
 
 # -- step graphs: prefill / mixed steps ------------------------------------------------------
 #
-# A step with T new tokens over B sequences is padded to a token bucket Tb >= T and R = min(Tb,
-# max_batch) + 1 sequence rows: the B real sequences, then one padding sequence that owns the Tb - T
-# padding tokens (positions 0.., slot -1: no KV write; its block table is the spare block, so its
-# attention reads that block and writes only its own rows), then empty sequences. The prefill
+# A step with T new tokens over B sequences is padded to a token bucket Tb >= T and R sequence
+# rows (step_rows: min(Tb, max_batch) + 1, never Tb): the B real sequences, then one padding
+# sequence that owns the Tb - T padding tokens (positions 0.., slot -1: no KV write; its block
+# table is the spare block, whose KV only ever holds what decode padding rows wrote, so its rows
+# stay finite), then empty sequences. The prefill
 # attention work list of each tile size the model uses is part of the input buffer, padded with
 # (padding row, Tb) items that the kernels skip (q0 past the sequence's tokens). One pinned host
 # buffer, one host->device copy and one graph launch per step, whatever the depth: an eager
