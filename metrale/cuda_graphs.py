@@ -67,6 +67,20 @@ def _checked_host(host: np.ndarray, size: int, bucket: int) -> np.ndarray:
     return host
 
 
+def _pinned_allocator(cp):
+    """(alloc, pinned): alloc(n) returns an int32 [n] numpy view of new pinned host memory;
+    pinned[id(view)] keeps that memory (the graphs hold it as long as they live)."""
+    pinned: dict[int, object] = {}
+
+    def alloc(n: int) -> np.ndarray:
+        mem = cp.cuda.alloc_pinned_memory(n * 4)
+        view = np.frombuffer(mem, np.int32, n)
+        pinned[id(view)] = mem
+        return view
+
+    return alloc, pinned
+
+
 class GraphInputs:
     """One bucket's input buffer on the host: int32, laid out as the ForwardBatch fields
     (`_layout`), with a numpy view per field. On CUDA the buffer is pinned memory and the
@@ -176,14 +190,7 @@ class DecodeGraphs:
         self.block_size = caches.block_size
         self.stream = self.cp.cuda.get_current_stream()   # the engine's non-default stream
         self.pool = self.cp.cuda.MemoryPool()
-        pinned: dict[int, object] = {}
-
-        def alloc(n: int) -> np.ndarray:
-            mem = self.cp.cuda.alloc_pinned_memory(n * 4)
-            view = np.frombuffer(mem, np.int32, n)
-            pinned[id(view)] = mem
-            return view
-
+        alloc, pinned = _pinned_allocator(self.cp)
         self.inputs = DecodeInputs(max_batch, self.width, self.block_size, spare_block,
                                    spare_slot, alloc)
         self.graphs = {b: _Graph(g, pinned[id(g.host_view)], self.cp)
@@ -375,34 +382,58 @@ def step_rows(tokens: int, max_batch: int) -> int:
     return rows + 1 if rows == tokens else rows
 
 
+class StepBuckets:
+    """The host side of the step graphs: one StepInputs per token bucket, and which one a step
+    goes to. `alloc(n)` returns an int32 [n] host buffer (pinned memory on CUDA; plain numpy by
+    default). `tiles`: the prefill attention tile sizes (tokens per work item) the model uses."""
+
+    def __init__(self, max_tokens: int, max_batch: int, width: int, tiles, block_size: int,
+                 spare_block: int, spare_slot: int, alloc=None):
+        alloc = alloc or (lambda n: np.zeros(n, dtype=np.int32))
+        self.block_size, self.spare_block, self.spare_slot = block_size, spare_block, spare_slot
+        self.buckets: dict[int, StepInputs] = {}
+        for tokens in step_buckets_for(max_tokens):
+            rows = step_rows(tokens, max_batch)
+            self.buckets[tokens] = StepInputs(
+                tokens, rows, width, tiles, alloc(_layout_size(_step_layout(tokens, rows, width, tiles))))
+        self.max_tokens = max(self.buckets)
+
+    def pack(self, seqs) -> tuple[StepInputs, int] | None:
+        """Pad the step `seqs` (ScheduledSeqs) into the smallest bucket that holds it: (its
+        inputs, the number of real rows), or None (nothing written) when none does."""
+        t = sum(s.num_new_tokens for s in seqs)
+        if not seqs or t > self.max_tokens:
+            return None
+        for inputs in self.buckets.values():          # ascending
+            if inputs.fits(t, len(seqs)):
+                b = inputs.pack(seqs, self.block_size, self.spare_block, self.spare_slot)
+                return None if b < 0 else (inputs, b)
+        return None
+
+
 class StepGraphs:
     """Prefill / mixed steps replayed from graphs captured per token bucket (see above). Shares
     the decode graphs' memory pool and stream: graphs replay one at a time."""
 
     def __init__(self, model, ops, caches, max_tokens: int, max_batch: int, max_blocks_per_seq: int,
                  spare_block: int, spare_slot: int, pool, stream):
-        self.model, self.ops, self.caches = model, ops, caches
-        self.cp = ops.cp
-        self.block_size = caches.block_size
-        self.width = max_blocks_per_seq
-        self.spare_block, self.spare_slot = spare_block, spare_slot
-        self.pool, self.stream = pool, stream
         from metrale.models.layers import Attention
 
+        self.model, self.caches = model, caches
+        self.cp = ops.cp
+        self.block_size = caches.block_size
+        self.spare_block, self.spare_slot = spare_block, spare_slot
+        self.pool, self.stream = pool, stream
         tiles = sorted({ops.prefill_tile_tokens(l.mixer.shape.n_heads, l.mixer.shape.n_kv_heads,
                                                 l.mixer.shape.head_dim)
                         for l in model.layers if isinstance(l.mixer, Attention)})
-        cap = min(max_tokens, max_blocks_per_seq * self.block_size)
-        self.graphs: dict[int, dict] = {}
-        for tokens in step_buckets_for(cap):
-            rows = step_rows(tokens, max_batch)
-            size = _layout_size(_step_layout(tokens, rows, self.width, tiles))
-            mem = self.cp.cuda.alloc_pinned_memory(size * 4)
-            host = np.frombuffer(mem, np.int32, size)
-            inputs = StepInputs(tokens, rows, self.width, tiles, host)
-            self.graphs[tokens] = {"inputs": inputs, "pinned": mem, "device": None, "graph": None,
-                                   "logits": None}
-        self.max_tokens = max(self.graphs)
+        alloc, pinned = _pinned_allocator(self.cp)
+        self.inputs = StepBuckets(min(max_tokens, max_blocks_per_seq * self.block_size), max_batch,
+                                  max_blocks_per_seq, tiles, self.block_size, spare_block, spare_slot, alloc)
+        self.graphs: dict[int, dict] = {
+            tokens: {"inputs": inp, "pinned": pinned[id(inp.host_view)], "device": None, "graph": None,
+                     "logits": None}
+            for tokens, inp in self.inputs.buckets.items()}
 
     def capture(self) -> None:
         """Capture every bucket, largest first (its pool blocks then serve the smaller ones)."""
@@ -426,18 +457,12 @@ class StepGraphs:
         """Replay the smallest bucket that holds the step `seqs` (ScheduledSeqs); None, with
         nothing run, when none does. Returns the device logits of its real rows (one per
         sequence, in order), valid until the next run on this stream."""
-        t = sum(s.num_new_tokens for s in seqs)
-        if not seqs or t > self.max_tokens:
+        packed = self.inputs.pack(seqs)
+        if packed is None:
             return None
-        for tokens in self.graphs:              # ascending
-            g = self.graphs[tokens]
-            if not g["inputs"].fits(t, len(seqs)):
-                continue
-            b = g["inputs"].pack(seqs, self.block_size, self.spare_block, self.spare_slot)
-            if b < 0:
-                return None
-            with self.stream:
-                g["device"].set(g["inputs"].host_view, stream=self.stream)
-                g["graph"].launch(stream=self.stream)
-                return g["logits"][:b]
-        return None
+        inputs, b = packed
+        g = self.graphs[inputs.tokens]
+        with self.stream:
+            g["device"].set(inputs.host_view, stream=self.stream)
+            g["graph"].launch(stream=self.stream)
+            return g["logits"][:b]

@@ -52,8 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from metrale._hot.sampler_rows import SamplerParamRows
 from metrale.config import EngineConfig
 from metrale.core import EngineCore
-from metrale.cuda_graphs import (DecodeInputs, StepInputs, _layout_size, _step_layout, step_buckets_for,
-                                  step_rows)
+from metrale.cuda_graphs import DecodeInputs, StepBuckets
 from metrale.models.dummy import DummyCheckpoint, _NoTensors
 from metrale.request import Request
 from metrale.sampling import SamplingParams
@@ -104,29 +103,16 @@ class NullGraphs:
 
 
 class NullStepGraphs:
-    """StepGraphs without the device: the real padding into the token bucket, then fixed logits."""
+    """StepGraphs without the device: the real padding into the token bucket (StepBuckets), then
+    fixed logits."""
 
-    def __init__(self, max_tokens: int, max_batch: int, width: int, block_size: int, spare_block: int,
-                 spare_slot: int, logits: np.ndarray, timer: Timer, tiles=(14,)):
-        self.inputs = []
-        for tokens in step_buckets_for(max_tokens):
-            rows = step_rows(tokens, max_batch)
-            size = _layout_size(_step_layout(tokens, rows, width, tiles))
-            self.inputs.append(StepInputs(tokens, rows, width, tiles, np.zeros(size, np.int32)))
-        self.block_size, self.spare = block_size, (spare_block, spare_slot)
+    def __init__(self, buckets: StepBuckets, logits: np.ndarray, timer: Timer):
         self.logits = logits
-        self._pack = timer.wrap("pack", self._pack_step)
-
-    def _pack_step(self, seqs) -> int:
-        t = sum(s.num_new_tokens for s in seqs)
-        for inp in self.inputs:
-            if inp.fits(t, len(seqs)):
-                return inp.pack(seqs, self.block_size, *self.spare)
-        return -1
+        self._pack = timer.wrap("pack", buckets.pack)
 
     def run_step(self, seqs):
-        b = self._pack(seqs)
-        return None if b < 0 else self.logits[:b]
+        packed = self._pack(seqs)
+        return None if packed is None else self.logits[: packed[1]]
 
 
 class NullGpuSampler:
@@ -172,8 +158,8 @@ def make_core(vocab: int, batch: int, max_seq_len: int, timer: Timer, step_graph
                           spare_block=sched.block_pool.num_blocks, spare_slot=batch)
     runner.graphs = NullGraphs(inputs, logits, timer)
     if step_graphs:     # SmolLM2's tile: 64 rows / 3 q heads per kv head = 21 tokens
-        runner.step_graphs = NullStepGraphs(2048, batch, -(-max_seq_len // bs), bs, sched.block_pool.num_blocks,
-                                            batch, logits, timer, tiles=(21,))
+        buckets = StepBuckets(2048, batch, -(-max_seq_len // bs), (21,), bs, sched.block_pool.num_blocks, batch)
+        runner.step_graphs = NullStepGraphs(buckets, logits, timer)
     runner.gpu_sampler = NullGpuSampler(vocab, batch, batch, token, timer)
     sched.schedule = timer.wrap("schedule", sched.schedule)
     sched.update_from_output = timer.wrap("update", sched.update_from_output)

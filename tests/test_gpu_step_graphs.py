@@ -19,6 +19,7 @@ from tiny_models import VOCAB, load_tiny, make_tiny
 from metrale.backends.cpu import CpuOps
 from metrale.cache.kv import ModelCaches
 from metrale.cuda_graphs import (
+    StepBuckets,
     StepInputs,
     _step_layout,
     step_buckets_for,
@@ -156,28 +157,24 @@ def test_padded_step_computes_the_eager_step(llama):
 
 class CpuStepGraphs:
     """StepGraphs.run_step's contract on the CPU backend: the step padded into the smallest token
-    bucket that holds it (StepInputs, as captured on CUDA) and run as one forward; None when
-    none holds it. Lets the engine's use of step graphs (the runner keeping the sampling rows,
-    chunked prefills, prefix hits, mixed steps) run end to end without a GPU."""
+    bucket that holds it (StepBuckets, the host side of the CUDA step graphs) and run as one
+    forward; None when none holds it. Lets the engine's use of step graphs (the runner keeping
+    the sampling rows, chunked prefills, prefix hits, mixed steps) run end to end without a GPU."""
 
-    def __init__(self, core, buckets=(16, 32, 64)):
+    def __init__(self, core, max_tokens=64):
         self.model, self.caches, self.bs = core.model, core.caches, core.config.block_size
         width = -(-core.config.max_seq_len // self.bs)
-        rows = core.config.max_batch_size
-        self.spare = (core._num_blocks, core._num_slots)
-        self.inputs = [_inputs(t, step_rows(t, rows), width) for t in buckets]
+        self.inputs = StepBuckets(max_tokens, core.config.max_batch_size, width, (16,), self.bs,
+                                  core._num_blocks, core._num_slots)
         self.replayed = 0
 
     def run_step(self, seqs):
-        t = sum(s.num_new_tokens for s in seqs)
-        for inp in self.inputs:
-            if inp.fits(t, len(seqs)):
-                b = inp.pack(seqs, self.bs, *self.spare)
-                if b < 0:
-                    return None
-                self.replayed += 1
-                return self.model.forward(inp.batch(inp.views, self.bs), self.caches)[:b]
-        return None
+        packed = self.inputs.pack(seqs)
+        if packed is None:
+            return None
+        inputs, b = packed
+        self.replayed += 1
+        return self.model.forward(inputs.batch(inputs.views, self.bs), self.caches)[:b]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_5", "qwen3_5_moe"])
