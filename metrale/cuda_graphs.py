@@ -422,28 +422,24 @@ class StepGraphs:
         self.model, self.caches = model, caches
         self.cp = ops.cp
         self.block_size = caches.block_size
-        self.spare_block, self.spare_slot = spare_block, spare_slot
         self.pool, self.stream = pool, stream
         tiles = sorted({ops.prefill_tile_tokens(l.mixer.shape.n_heads, l.mixer.shape.n_kv_heads,
                                                 l.mixer.shape.head_dim)
                         for l in model.layers if isinstance(l.mixer, Attention)})
-        alloc, pinned = _pinned_allocator(self.cp)
+        alloc, self._pinned = _pinned_allocator(self.cp)
         self.inputs = StepBuckets(min(max_tokens, max_blocks_per_seq * self.block_size), max_batch,
                                   max_blocks_per_seq, tiles, self.block_size, spare_block, spare_slot, alloc)
-        self.graphs: dict[int, dict] = {
-            tokens: {"inputs": inp, "pinned": pinned[id(inp.host_view)], "device": None, "graph": None,
-                     "logits": None}
-            for tokens, inp in self.inputs.buckets.items()}
+        # per bucket: the device copy of its inputs, the captured graph, its logits
+        self.graphs: dict[int, dict] = {tokens: {} for tokens in self.inputs.buckets}
 
     def capture(self) -> None:
         """Capture every bucket, largest first (its pool blocks then serve the smaller ones)."""
-        cp = self.cp
+        cp, ins = self.cp, self.inputs
         with cp.cuda.using_allocator(self.pool.malloc), self.stream:
             for tokens in sorted(self.graphs, reverse=True):
-                g = self.graphs[tokens]
-                inputs = g["inputs"]
+                g, inputs = self.graphs[tokens], ins.buckets[tokens]
                 g["device"] = cp.zeros(inputs.size, dtype=np.int32)
-                inputs.pack_padding(self.spare_block, self.spare_slot)
+                inputs.pack_padding(ins.spare_block, ins.spare_slot)
                 g["device"].set(inputs.host_view, stream=self.stream)
                 batch = inputs.batch(_views(g["device"], inputs.layout), self.block_size)
                 self.model.forward(batch, self.caches)          # warm-up: kernels loaded, pool filled

@@ -616,7 +616,7 @@ class CudaOps:
         m = bt.shape[1]
         common = (_ptr(q), np.int64(_estride(q, 0)), np.int64(_estride(q, 1)), _ptr(k_cache), _ptr(v_cache),
                   _ptr(bt), np.int32(m), _ptr(batch.seq_lens), _ptr(batch.query_start_loc))
-        if batch.is_decode and getattr(batch, "work", None) is None:
+        if batch.is_decode:
             b = t
             mma = self.attn_decode_impl == "mma"
             if mma:
