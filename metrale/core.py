@@ -138,6 +138,8 @@ class EngineCore:
                                pool=decode_graphs.pool, stream=decode_graphs.stream)
             steps.capture()
         except self.ops.cp.cuda.memory.OutOfMemoryError as e:
+            steps = None
+            decode_graphs.pool.free_all_blocks()     # what the partial capture held, back to the device
             log.warning("--prefill-graphs: out of memory while capturing (%s); prefill steps run "
                         "eagerly (lower --max-prefill-tokens or --gpu-memory-utilization)", e)
             return
