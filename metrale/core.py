@@ -131,6 +131,7 @@ class EngineCore:
             log.info("--prefill-graphs: off for this model (%s); prefill steps run eagerly", why)
             return
         t0 = time.perf_counter()
+        oom = None
         try:
             steps = StepGraphs(self.model, self.ops, self.caches, cfg.max_prefill_tokens,
                                cfg.max_batch_size, -(-cfg.max_seq_len // cfg.block_size),
@@ -138,10 +139,12 @@ class EngineCore:
                                pool=decode_graphs.pool, stream=decode_graphs.stream)
             steps.capture()
         except self.ops.cp.cuda.memory.OutOfMemoryError as e:
+            oom = str(e)
+        if oom is not None:
             steps = None
             decode_graphs.pool.free_all_blocks()     # what the partial capture held, back to the device
             log.warning("--prefill-graphs: out of memory while capturing (%s); prefill steps run "
-                        "eagerly (lower --max-prefill-tokens or --gpu-memory-utilization)", e)
+                        "eagerly (lower --max-prefill-tokens or --gpu-memory-utilization)", oom)
             return
         self.runner.step_graphs = steps
         log.info("captured %d prefill graphs (token buckets %s), %.2f s", len(steps.graphs),
