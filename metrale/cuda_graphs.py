@@ -445,7 +445,14 @@ class StepGraphs:
                 self.model.forward(batch, self.caches)          # warm-up: kernels loaded, pool filled
                 self.stream.synchronize()
                 self.stream.begin_capture()
-                g["logits"] = self.model.forward(batch, self.caches)
+                try:
+                    g["logits"] = self.model.forward(batch, self.caches)
+                except BaseException:
+                    try:        # leave the engine's stream out of capture mode before giving up
+                        self.stream.end_capture()
+                    except Exception:
+                        pass
+                    raise
                 g["graph"] = self.stream.end_capture()
                 self.stream.synchronize()
 
