@@ -21,6 +21,7 @@ from metrale.cache.kv import ModelCaches
 from metrale.cuda_graphs import (
     StepBuckets,
     StepInputs,
+    _layout_size,
     _step_layout,
     step_buckets_for,
     step_graph_support,
@@ -34,8 +35,8 @@ NUM_BLOCKS, SLOTS = 40, 4
 
 
 def _inputs(tokens: int, rows: int, width: int, tiles=(16,)) -> StepInputs:
-    size = sum(int(np.prod(s)) for _, s in _step_layout(tokens, rows, width, tiles))
-    return StepInputs(tokens, rows, width, tiles, np.zeros(size, np.int32))
+    return StepInputs(tokens, rows, width, tiles,
+                      np.zeros(_layout_size(_step_layout(tokens, rows, width, tiles)), np.int32))
 
 
 def test_buckets():
