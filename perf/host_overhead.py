@@ -15,7 +15,7 @@ So the figures are the Python/Cython work of a CUDA decode step; the CUDA API ca
 DESIGN.md section 7) come on top.
 
 `--prefill`: the same for prefill steps (B fresh prompts of ISL tokens in one step) replayed
-from step graphs (--prefill-graphs on): the real host side (metrale.cuda_graphs.StepInputs: the
+from step graphs (--prefill-graphs on): the real host side (metrale.cuda_graphs.StepBuckets: the
 step padded into its token bucket, work lists included), then fixed logits. An eager prefill
 step instead launches every kernel from Python (~9 ms for SmolLM2 1 x 128 on the H200 host).
 
@@ -182,15 +182,30 @@ def measure(vocab: int, batch: int, isl: int, osl: int, warmup: int = 8) -> dict
         step()
     per_step: dict[str, list[float]] = {name: [] for name in PHASES}
     while core.has_unfinished():
-        seen = {name: len(v) for name, v in timer.samples.items()}
+        seen = _marks(timer)
         step()
         st = core.last_step
         if st.num_seqs != batch or st.num_tokens != batch:     # decode steps of all B only
             continue
-        for name in PHASES:
-            v = timer.samples.get(name, [])
-            per_step[name].append(sum(v[seen.get(name, 0):]))
-    row = dict(vocab=vocab, batch=batch, steps=len(per_step["step"]))
+        _account(timer, seen, per_step)
+    return _summary(dict(vocab=vocab, batch=batch), per_step)
+
+
+def _marks(timer: Timer) -> dict[str, int]:
+    """Where each phase's samples stand before a step."""
+    return {name: len(v) for name, v in timer.samples.items()}
+
+
+def _account(timer: Timer, seen: dict[str, int], per_step: dict[str, list[float]]) -> None:
+    """Add one step's time per phase (its samples since `seen`) to per_step."""
+    for name in PHASES:
+        v = timer.samples.get(name, [])
+        per_step[name].append(sum(v[seen.get(name, 0):]))
+
+
+def _summary(row: dict, per_step: dict[str, list[float]]) -> dict:
+    """row + steps and p50 / p90 microseconds of every phase."""
+    row["steps"] = len(per_step["step"])
     for name in PHASES:
         v = per_step[name]
         row[f"{name}_p50_us"] = 1e6 * statistics.median(v)
@@ -211,22 +226,15 @@ def measure_prefill(vocab: int, batch: int, isl: int, reps: int = 30) -> dict:
         for i in range(batch):
             ids = [int(t) for t in rng.integers(100, vocab - 100, isl)]
             core.add_request(Request(f"p{rep}-{i}", ids, params))
-        seen = {name: len(v) for name, v in timer.samples.items()}
+        seen = _marks(timer)
         step()
         st = core.last_step
         assert st.num_tokens == batch * isl, (st.num_tokens, batch * isl)
         if rep >= 3:
-            for name in PHASES:
-                v = timer.samples.get(name, [])
-                per_step[name].append(sum(v[seen.get(name, 0):]))
+            _account(timer, seen, per_step)
         while core.has_unfinished():
             core.step()
-    row = dict(mode="prefill_graphs", vocab=vocab, batch=batch, isl=isl, steps=len(per_step["step"]))
-    for name in PHASES:
-        v = per_step[name]
-        row[f"{name}_p50_us"] = 1e6 * statistics.median(v)
-        row[f"{name}_p90_us"] = 1e6 * float(np.percentile(v, 90))
-    return row
+    return _summary(dict(mode="prefill_graphs", vocab=vocab, batch=batch, isl=isl), per_step)
 
 
 def git_commit() -> str:

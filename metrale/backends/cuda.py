@@ -667,9 +667,7 @@ class CudaOps:
             rows, threads, bk = PREFILL_ROWS, PREFILL_THREADS, ATTN_BK[d]
             smem = (rows + 2 * bk) * (d + 8) * 2 + rows * bk * 4
             fn = f"prefill_attn_d{d}"
-        if g > rows:
-            raise NotImplementedError(f"attention: {g} q heads per kv head (at most {rows})")
-        bq = rows // g
+        bq = self.prefill_tile_tokens(hq, hk, d)
         work = self._work_list(batch, bq)
         self.kernel("attention", fn, smem)(
             (work.shape[0], hk), (threads,),
@@ -715,8 +713,10 @@ class CudaOps:
         `bq` of its work list)."""
         rows = ATTN_MMA_ROWS if self.attn_prefill_impl == "mma" else PREFILL_ROWS
         g = n_heads // n_kv_heads
-        if g > rows or head_dim not in ATTN_BK:
-            raise NotImplementedError(f"attention: {n_heads}/{n_kv_heads} heads of {head_dim} not supported")
+        if head_dim not in ATTN_BK:
+            raise NotImplementedError(f"attention: head_dim {head_dim} not instantiated (have {sorted(ATTN_BK)})")
+        if g > rows:
+            raise NotImplementedError(f"attention: {g} q heads per kv head (at most {rows})")
         return rows // g
 
     # -- Gated DeltaNet and MoE: metrale.backends.cuda_gdn (kernels_cuda/gdn*.cu, moe.cu) -----
