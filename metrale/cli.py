@@ -56,7 +56,7 @@ ENGINE_FLAGS = {
     "--warmup": ("warmup", str, "startup warm-up steps (kernels loaded, activation pool grown to "
                  "a --max-prefill-tokens prefill): auto (on for cuda), on or off"),
     "--prefill-graphs": ("prefill_graphs", str, "CUDA graphs for prefill and mixed steps too, one per "
-                         "token bucket up to 2048 tokens: on or off (off until verified on a GPU)"),
+                         "token bucket up to 2048 tokens: on (default) or off"),
     "--tbt-deadline-ms": ("tbt_deadline_ms", float, "SLAI decode deadline"),
     "--request-timeout": ("request_timeout", float, "per-request seconds; 0 disables"),
     "--swap-space-gb": ("swap_space_gb", float, "disk-backed KV swap"),

@@ -54,7 +54,7 @@ class EngineConfig:
     default_top_n_sigma: float = 0.0
     profile: bool = False
     warmup: str = "auto"                  # startup warm-up: auto (on for cuda) | on | off
-    prefill_graphs: str = "off"           # CUDA graphs for prefill / mixed steps too: on | off
+    prefill_graphs: str = "on"            # CUDA graphs for prefill / mixed steps too: on | off
     seed: int = 0
     extra: dict = field(default_factory=dict)
 

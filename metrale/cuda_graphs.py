@@ -256,16 +256,17 @@ class DecodeGraphs:
 # -- step graphs: prefill / mixed steps ------------------------------------------------------
 #
 # A step with T new tokens over B sequences is padded to a token bucket Tb >= T and R sequence
-# rows (step_rows: min(Tb, max_batch) + 1, never Tb): the B real sequences, then one padding
-# sequence that owns the Tb - T padding tokens (positions 0.., slot -1: no KV write; its block
-# table is the spare block, whose KV only ever holds what decode padding rows wrote, so its rows
-# stay finite), then empty sequences. The prefill
+# rows (step_rows: min(Tb, max_batch) + the padding rows, never Tb): the B real sequences, then
+# padding sequences that own the Tb - T padding tokens, at most one block table's span
+# (width x block size) each (positions 0.., slot -1: no KV write; their block tables are the spare
+# block, whose KV only ever holds what decode padding rows wrote, so their rows stay finite), then
+# empty sequences. The prefill
 # attention work list of each tile size the model uses is part of the input buffer, padded with
 # (padding row, Tb) items that the kernels skip (q0 past the sequence's tokens). One pinned host
 # buffer, one host->device copy and one graph launch per step, whatever the depth: an eager
 # SmolLM2-135M prefill step of 1 x 128 tokens costs ~9 ms of Python against 1.2 ms of GPU.
-# Logits come back for every real row (the runner keeps the sampling ones). GDN rows: the padding
-# row starts fresh and leaves its state in the spare state row; empty rows touch no state.
+# Logits come back for every real row (the runner keeps the sampling ones). GDN rows: padding rows
+# start fresh and leave their state in the spare state row; empty rows touch no state.
 
 STEP_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 
@@ -287,15 +288,18 @@ class StepInputs:
     """One token bucket's input buffer on the host (int32, `_step_layout`), and how a step is
     padded into it. `host` is the int32 buffer (pinned memory on CUDA)."""
 
-    def __init__(self, tokens: int, rows: int, width: int, tiles, host: np.ndarray):
+    def __init__(self, tokens: int, rows: int, width: int, tiles, host: np.ndarray,
+                 pad_cap: int | None = None):
         self.tokens, self.rows, self.width, self.tiles = tokens, rows, width, tuple(sorted(tiles))
+        self.pad_cap = pad_cap or tokens        # padding tokens per padding row (one table's span)
         self.layout = _step_layout(tokens, rows, width, self.tiles)
         self.size = _layout_size(self.layout)
         self.host_view = _checked_host(host, self.size, tokens)
         self.views: dict[str, np.ndarray] = _views(host, self.layout)
 
     def fits(self, num_tokens: int, num_seqs: int) -> bool:
-        return num_tokens <= self.tokens and num_seqs < self.rows
+        return (num_tokens <= self.tokens
+                and num_seqs + padding_rows(self.tokens - num_tokens, self.pad_cap) <= self.rows)
 
     def pack(self, seqs, block_size: int, spare_block: int, spare_slot: int) -> int:
         """Pad the step `seqs` (ScheduledSeqs) into the buffer; returns its number of real
@@ -312,15 +316,21 @@ class StepInputs:
         v, tb = self.views, self.tokens
         v["input_ids"][:t] = ids
         v["input_ids"][t:] = 0
+        # rows b .. b + npad - 1: the padding tokens, pad_cap each (the last the rest); then empty
+        pad, cap = tb - t, self.pad_cap
+        npad = padding_rows(pad, cap)
+        lens = np.full(npad, cap, np.int32)
+        lens[-1] = pad - cap * (npad - 1)
         v["positions"][:t] = pos
-        v["positions"][t:] = np.arange(tb - t, dtype=np.int32)
+        v["positions"][t:] = np.arange(pad, dtype=np.int32) % cap
         q = v["query_start_loc"]
         q[: b + 1] = qsl
-        q[b + 1:] = tb                      # row b: the padding tokens; rows past it: empty
+        q[b + 1: b + 1 + npad] = t + np.cumsum(lens)
+        q[b + 1 + npad:] = tb
         sl = v["seq_lens"]
         sl[:b] = seq_lens
-        sl[b] = tb - t
-        sl[b + 1:] = 0
+        sl[b: b + npad] = lens
+        sl[b + npad:] = 0
         bt = v["block_tables"]
         bt[:b] = 0
         bt[:b, : tables.shape[1]] = tables
@@ -374,11 +384,16 @@ def step_graph_support(model) -> str | None:
     return None
 
 
-def step_rows(tokens: int, max_batch: int) -> int:
-    """Sequence rows of a token bucket: every real row, the padding row, and never exactly as
-    many rows as tokens (a batch with T == B would look like a decode step to the ops that pick
-    their decode kernels by shape)."""
-    rows = min(tokens, max_batch) + 1
+def padding_rows(pad: int, cap: int) -> int:
+    """Padding rows for `pad` padding tokens at most `cap` per row (at least one)."""
+    return max(1, -(-pad // cap))
+
+
+def step_rows(tokens: int, max_batch: int, pad_cap: int | None = None) -> int:
+    """Sequence rows of a token bucket: every real row, the padding rows (at most `pad_cap`
+    tokens each: one block table's span), and never exactly as many rows as tokens (a batch with
+    T == B would look like a decode step to the ops that pick their decode kernels by shape)."""
+    rows = min(tokens, max_batch) + padding_rows(tokens, pad_cap or tokens)
     return rows + 1 if rows == tokens else rows
 
 
@@ -392,10 +407,12 @@ class StepBuckets:
         alloc = alloc or (lambda n: np.zeros(n, dtype=np.int32))
         self.block_size, self.spare_block, self.spare_slot = block_size, spare_block, spare_slot
         self.buckets: dict[int, StepInputs] = {}
+        cap = width * block_size            # a padding row's tokens must fit its block table
         for tokens in step_buckets_for(max_tokens):
-            rows = step_rows(tokens, max_batch)
+            rows = step_rows(tokens, max_batch, cap)
             self.buckets[tokens] = StepInputs(
-                tokens, rows, width, tiles, alloc(_layout_size(_step_layout(tokens, rows, width, tiles))))
+                tokens, rows, width, tiles, alloc(_layout_size(_step_layout(tokens, rows, width, tiles))),
+                pad_cap=cap)
         self.max_tokens = max(self.buckets)
 
     def pack(self, seqs) -> tuple[StepInputs, int] | None:
@@ -427,7 +444,7 @@ class StepGraphs:
                                                 l.mixer.shape.head_dim)
                         for l in model.layers if isinstance(l.mixer, Attention)})
         alloc, self._pinned = _pinned_allocator(self.cp)
-        self.inputs = StepBuckets(min(max_tokens, max_blocks_per_seq * self.block_size), max_batch,
+        self.inputs = StepBuckets(max_tokens, max_batch,
                                   max_blocks_per_seq, tiles, self.block_size, spare_block, spare_slot, alloc)
         # per bucket: the device copy of its inputs, the captured graph, its logits
         self.graphs: dict[int, dict] = {tokens: {} for tokens in self.inputs.buckets}

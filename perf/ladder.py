@@ -343,7 +343,7 @@ def main(argv=None) -> int:
     ap.add_argument("--port", type=int, default=8899)
     ap.add_argument("--client-procs", type=int, default=4,
                     help="HTTP client processes the C streams are spread over")
-    ap.add_argument("--prefill-graphs", default="off", choices=("on", "off"),
+    ap.add_argument("--prefill-graphs", default="on", choices=("on", "off"),
                     help="the engine's --prefill-graphs (prefill / mixed steps from CUDA graphs)")
     args = ap.parse_args(argv)
     if args.http:

@@ -65,7 +65,7 @@ def main() -> int:
     ap.add_argument("--isl", type=int, default=128)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default="perf/results")
-    ap.add_argument("--prefill-graphs", default="off", choices=("on", "off"),
+    ap.add_argument("--prefill-graphs", default="on", choices=("on", "off"),
                     help="the engine's --prefill-graphs: the steps replay captured graphs")
     args = ap.parse_args()
     ckpt, _ = synthetic_checkpoint(args.shape)

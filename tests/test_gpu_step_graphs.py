@@ -34,9 +34,10 @@ BS = 16
 NUM_BLOCKS, SLOTS = 40, 4
 
 
-def _inputs(tokens: int, rows: int, width: int, tiles=(16,)) -> StepInputs:
+def _inputs(tokens: int, rows: int, width: int, tiles=(16,), pad_cap=None) -> StepInputs:
     return StepInputs(tokens, rows, width, tiles,
-                      np.zeros(_layout_size(_step_layout(tokens, rows, width, tiles)), np.int32))
+                      np.zeros(_layout_size(_step_layout(tokens, rows, width, tiles)), np.int32),
+                      pad_cap=pad_cap)
 
 
 def test_buckets():
@@ -72,6 +73,25 @@ def test_work_lists_cover_every_tile_once_and_pad_with_no_ops():
         assert len(real) + len(skipped) == len(work) == -(-64 // bq) + 6
         assert all(q0 >= 64 for _, q0 in skipped)
         assert np.array_equal(work[: len(real)], prefill_work_list(q, v["seq_lens"], bq))
+
+
+def test_padding_longer_than_a_block_table_spreads_over_rows():
+    """Padding rows own at most pad_cap tokens (one block table's span, so their attention reads
+    stay inside their tables): 44 padding tokens at 16 a row take three rows."""
+    inp = _inputs(64, 5, 1, pad_cap=16)
+    z = np.zeros
+    b = inp.pack_arrays(np.arange(20, dtype=np.int32), np.arange(20, dtype=np.int32), np.array([0, 20], np.int32),
+                        np.array([20], np.int32), z((1, 1), np.int32), np.arange(20, dtype=np.int32),
+                        z(1, np.int32), spare_block=9, spare_slot=3)
+    assert b == 1
+    v = inp.views
+    assert list(v["query_start_loc"]) == [0, 20, 36, 52, 64, 64]
+    assert list(v["seq_lens"]) == [20, 16, 16, 12, 0]
+    assert list(v["positions"][20:]) == list(range(16)) * 2 + list(range(12))
+    assert (v["slot_mapping"][20:] == -1).all() and (v["block_tables"][1:] == 9).all()
+    # 3 real rows + 43 padding tokens (3 rows) need 6 of the 5; with 31 padding tokens, 2 rows
+    assert inp.fits(21, 2) and not inp.fits(21, 3) and inp.fits(33, 3)
+    assert step_rows(64, 8, 16) == 12 and step_rows(64, 64, 16) == 68
 
 
 def test_steps_that_do_not_fit_are_refused():
@@ -113,9 +133,11 @@ def test_support_and_rows(llama, tmp_path):
     assert step_rows(16, 15) == 17          # never as many rows as tokens (that shape means decode)
 
 
-def test_padded_step_computes_the_eager_step(llama):
+@pytest.mark.parametrize("pad_cap", [None, 16])
+def test_padded_step_computes_the_eager_step(llama, pad_cap):
     """A mixed step (a cached prefix continued, a decode, a fresh prompt) eagerly and padded
-    into a 64-token bucket from the same cache state: same logits for the real rows, same KV."""
+    into a 64-token bucket from the same cache state: same logits for the real rows, same KV;
+    the 41 padding tokens in one row, or in three of at most 16."""
     ops, model = llama
     rng = np.random.default_rng(0)
     caches = ModelCaches(model.cache_spec(), ops, NUM_BLOCKS + 1, BS, SLOTS + 1)
@@ -138,7 +160,7 @@ def test_padded_step_computes_the_eager_step(llama):
             c[...] = before[i]
             i += 1
     width = 4
-    inp = _inputs(64, 6, width)
+    inp = _inputs(64, 6, width, pad_cap=pad_cap)
     b = inp.pack_arrays(step.input_ids, step.positions, step.query_start_loc, step.seq_lens,
                         step.block_tables, step.slot_mapping, step.state_slots, spare_block, spare_slot)
     assert b == 3
