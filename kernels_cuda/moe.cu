@@ -5,9 +5,12 @@
 // Qwen3_5MoeTopKRouter + Qwen3_5MoeExperts. Tested in tests/test_cuda_gdn.py.
 //
 // Pipeline (T tokens, E experts, k = top_k, P = T*k routed pairs, H hidden, I expert width):
-//   moe_route_<T>   logits T [T, E] (router GEMM done by the caller) -> ids i32 [T, k],
-//                   wts f32 [T, k] (renormalised when asked), counts i32 [E] += (atomics).
+//   moe_route_<T>   logits T [T, E + S] (router GEMM done by the caller) -> ids i32 [T, k + S],
+//                   wts f32 [T, k + S] (renormalised when asked), counts i32 [E + S] += (atomics).
 //                   One warp per token, E <= 1024 floats of dynamic shared memory per warp.
+//                   S = `shared` (0 or 1): the shared expert rides along as expert E, pair k of
+//                   every token, weight sigmoid(logits[t, E]) (its gate's logit): the callers
+//                   append its weights to gate_up / down and its gate to the router.
 //   moe_scan        counts -> offsets i32 [E+1] (exclusive scan), tile list for the GEMMs:
 //                   tile_expert i32 [max_tiles] (-1 = unused), tile_row0 i32 [max_tiles]
 //                   (tiles of 64 rows inside each expert's rows). One CTA of 1024 threads.
@@ -18,6 +21,8 @@
 //                   [2I, H]; grid (I/64, max_tiles); rows gathered through sorted_pair.
 //   moe_gemm_down_<T>     y T [P, H] = act down[e]^T, down [E, H, I]; grid (H/64, max_tiles).
 //   moe_combine_<T> out T [T, H] = sum_j wts[t, j] * y[pair_pos[t*k+j]] (fp32, no atomics).
+//   moe_plan_<T>    route + scan + scatter in one CTA for steps of few pairs (decode), counts in
+//                   shared memory: one launch instead of a memset and three.
 // max_tiles = P/64 + min(E, P) + 1 bounds the tiles of any routing, so every launch has a
 // static shape (CUDA graphs). Requires H % 8 == 0 and I % 8 == 0 (16-byte loads).
 // Bytes: decode is weight-streaming: (active experts) * 3*H*I*2; FLOPs 6*P*H*I.
@@ -27,8 +32,8 @@
 // Tensor-core twins (CudaOps(moe_impl="mma"), bf16 only; same route/scatter/combine):
 //   moe_scan_tiles  moe_scan with the tile height as an argument (bm = 16 or 64);
 //                   max_tiles = P/bm + min(E, P) + 1.
-//   moe_mma_gate_up_m<MT>  act [P, I] = silu(x[tok] Wg^T) * (x[tok] Wu^T); grid (ceil(I/BN), max_tiles)
-//   moe_mma_down_m<MT>     y [P, H] = act down[e]^T;                       grid (ceil(H/BN), max_tiles)
+//   moe_mma_gate_up_m<MT>_n<NTW>_s<ST>  act [P, I] = silu(x[tok] Wg^T) * (x[tok] Wu^T); grid (ceil(I/BN), max_tiles)
+//   moe_mma_down_m<MT>_n<NTW>_s<ST>     y [P, H] = act down[e]^T;                       grid (ceil(H/BN), max_tiles)
 //   MT = 1: tiles of 16 rows (decode: a few rows per expert); MT = 4: 64 rows (prefill).
 // One CTA = one row tile x BN output columns (NTW n-tiles of 8 weight rows: gated, half gate and
 // half up), 4 warps splitting K: warp w takes the 64-wide k-blocks w, w+4, ... and streams them
@@ -48,18 +53,19 @@ namespace {
 
 constexpr int BM = 64, BN = 64, BK = 32, GNT = 256;
 
+// One token routed by one warp: softmax over its E routed logits `lg` (p: E floats of scratch),
+// top-k (ties: the lowest index), weights renormalised over the k when asked. With `shared`,
+// pair k is the shared expert: id E, weight sigmoid(lg[E]) (its gate logit; not renormalised).
+// Lane 0 writes ids_out[0 .. k + shared) and wts_out (any memory) and counts[id] += 1 (shared or
+// global memory, atomics).
 template <typename T>
-__device__ __forceinline__ void moe_route(const T* __restrict__ logits, int T_, int E, int k,
-                                          int renorm, int* __restrict__ ids,
-                                          float* __restrict__ wts, int* __restrict__ counts) {
-    extern __shared__ float rbuf[];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int t = blockIdx.x * (blockDim.x >> 5) + warp;
-    if (t >= T_) return;
-    float* p = rbuf + warp * E;
+__device__ __forceinline__ void route_token(const T* __restrict__ lg, int E, int k, int renorm,
+                                            int shared, float* p, int* ids_out, float* wts_out,
+                                            int* counts) {
+    const int lane = threadIdx.x & 31;
     float m = -MT_INF;
     for (int e = lane; e < E; e += 32) {
-        const float v = mt::to_f(logits[(long long)t * E + e]);
+        const float v = mt::to_f(lg[e]);
         p[e] = v;
         m = fmaxf(m, v);
     }
@@ -87,15 +93,35 @@ __device__ __forceinline__ void moe_route(const T* __restrict__ logits, int T_, 
         const float prob = best / s;
         picked += prob;
         if (lane == 0) {
-            ids[t * k + j] = bi;
-            wts[t * k + j] = prob;
+            ids_out[j] = bi;
+            wts_out[j] = prob;
             atomicAdd(&counts[bi], 1);
             p[bi] = -2.f;  // taken
         }
         __syncwarp();
     }
     if (renorm)
-        for (int j = lane; j < k; j += 32) wts[t * k + j] /= picked;
+        for (int j = lane; j < k; j += 32) wts_out[j] /= picked;
+    if (shared && lane == 0) {
+        ids_out[k] = E;
+        wts_out[k] = mt::sigmoid(mt::to_f(lg[E]));
+        atomicAdd(&counts[E], 1);
+    }
+    __syncwarp();
+}
+
+// logits [T, E + shared] -> ids / wts [T, k + shared], counts (global, zeroed by the caller).
+template <typename T>
+__device__ __forceinline__ void moe_route(const T* __restrict__ logits, int T_, int E, int k,
+                                          int renorm, int shared, int* __restrict__ ids,
+                                          float* __restrict__ wts, int* __restrict__ counts) {
+    extern __shared__ float rbuf[];
+    const int warp = threadIdx.x >> 5;
+    const int t = blockIdx.x * (blockDim.x >> 5) + warp;
+    if (t >= T_) return;
+    const int kk = k + shared;
+    route_token(logits + (long long)t * (E + shared), E, k, renorm, shared, rbuf + warp * E,
+                ids + t * kk, wts + t * kk, counts);
 }
 
 __device__ __forceinline__ int block_excl_scan(int v, int* scratch, int* total) {
@@ -406,19 +432,16 @@ __device__ __forceinline__ void moe_mma_gemm(const __nv_bfloat16* __restrict__ A
     }
 }
 
-// Tilings (must match MOE_MMA in metrale/backends/cuda_gdn.py): <MT, NTW, STAGES>
-#define MOE_MMA_GU_M1 1, 4, 4   // BN 16 (16 gate + 16 up rows), 96 KB of stages
-#define MOE_MMA_DN_M1 1, 4, 3   // BN 32, 72 KB
-#define MOE_MMA_GU_M4 4, 4, 2   // 64-row tiles (prefill), BN 16, 96 KB
-#define MOE_MMA_DN_M4 4, 4, 2   // BN 32, 96 KB
 
 }  // namespace
 
-__device__ __forceinline__ void moe_scan_impl(const int* counts, int E, int max_tiles, int bm,
-                                              int* offsets, int* tile_expert, int* tile_row0) {
+// Expert e = threadIdx.x (blockDim.x == 1024) with c rows: offsets[e] (exclusive scan; offsets[E]
+// = the total), its tiles of bm rows appended to tile_expert / tile_row0, the unused ones -1.
+// Returns offsets[e].
+__device__ __forceinline__ int scan_tiles(int c, int E, int max_tiles, int bm, int* offsets,
+                                          int* tile_expert, int* tile_row0) {
     __shared__ int scratch[32];
     const int e = threadIdx.x;
-    const int c = e < E ? counts[e] : 0;
     int total_rows, total_tiles;
     const int off = block_excl_scan(c, scratch, &total_rows);
     const int nt = (c + bm - 1) / bm;
@@ -432,6 +455,13 @@ __device__ __forceinline__ void moe_scan_impl(const int* counts, int E, int max_
         }
     }
     for (int j = total_tiles + e; j < max_tiles; j += blockDim.x) tile_expert[j] = -1;
+    return off;
+}
+
+__device__ __forceinline__ void moe_scan_impl(const int* counts, int E, int max_tiles, int bm,
+                                              int* offsets, int* tile_expert, int* tile_row0) {
+    const int e = threadIdx.x;
+    scan_tiles(e < E ? counts[e] : 0, E, max_tiles, bm, offsets, tile_expert, tile_row0);
 }
 
 extern "C" __global__ void __launch_bounds__(1024) moe_scan(const int* counts, int E, int max_tiles,
@@ -458,10 +488,53 @@ extern "C" __global__ void moe_scatter(const int* ids, int P, const int* offsets
     pair_pos[p] = pos;
 }
 
+// moe_plan: moe_route + moe_scan_tiles + moe_scatter in one CTA of 1024 threads, for steps of
+// few pairs (decode: P = T * (k + shared) <= MOE_PLAN_MAX_PAIRS); counts and fills live in shared
+// memory (no memset, one launch instead of four). Warps 0 .. nwr-1 route tokens w, w + nwr, ...
+// (dynamic shared memory: nwr * E floats of softmax scratch, then the P expert ids).
+// E + shared <= 1024.
+template <typename T>
+__device__ __forceinline__ void moe_plan(const T* __restrict__ logits, int T_, int E, int k,
+                                         int renorm, int shared, int nwr, int max_tiles, int bm,
+                                         float* __restrict__ wts, int* __restrict__ offsets,
+                                         int* __restrict__ tile_expert, int* __restrict__ tile_row0,
+                                         int* __restrict__ sorted_pair, int* __restrict__ pair_pos) {
+    extern __shared__ float dyn[];
+    __shared__ int counts[1024], fill[1024], offs[1024];
+    const int tid = threadIdx.x, warp = tid >> 5;
+    const int kk = k + shared, Et = E + shared, P = T_ * kk;
+    int* ids = reinterpret_cast<int*>(dyn + nwr * E);
+    counts[tid] = 0;
+    fill[tid] = 0;
+    __syncthreads();
+    if (warp < nwr)
+        for (int t = warp; t < T_; t += nwr)
+            route_token(logits + (long long)t * Et, E, k, renorm, shared, dyn + warp * E, ids + t * kk,
+                        wts + t * kk, counts);
+    __syncthreads();
+    offs[tid] = scan_tiles(tid < Et ? counts[tid] : 0, Et, max_tiles, bm, offsets, tile_expert,
+                           tile_row0);
+    __syncthreads();
+    for (int p = tid; p < P; p += blockDim.x) {
+        const int e = ids[p];
+        const int pos = offs[e] + atomicAdd(&fill[e], 1);
+        sorted_pair[pos] = p;
+        pair_pos[p] = pos;
+    }
+}
+
 #define MOE_INST(T, SUF)                                                                          \
     extern "C" __global__ void __launch_bounds__(128) moe_route_##SUF(                            \
-        const T* logits, int T_, int E, int k, int renorm, int* ids, float* wts, int* counts) {   \
-        moe_route<T>(logits, T_, E, k, renorm, ids, wts, counts);                                 \
+        const T* logits, int T_, int E, int k, int renorm, int shared, int* ids, float* wts,      \
+        int* counts) {                                                                            \
+        moe_route<T>(logits, T_, E, k, renorm, shared, ids, wts, counts);                         \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(1024) moe_plan_##SUF(                            \
+        const T* logits, int T_, int E, int k, int renorm, int shared, int nwr, int max_tiles,    \
+        int bm, float* wts, int* offsets, int* tile_expert, int* tile_row0, int* sorted_pair,     \
+        int* pair_pos) {                                                                          \
+        moe_plan<T>(logits, T_, E, k, renorm, shared, nwr, max_tiles, bm, wts, offsets,           \
+                    tile_expert, tile_row0, sorted_pair, pair_pos);                               \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(GNT) moe_gemm_gate_up_##SUF(                     \
         const T* x, const int* sorted_pair, int topk, const T* gate_up, int I, int H,             \
@@ -482,15 +555,24 @@ MOE_INST(__nv_bfloat16, bf16)
 MOE_INST(float, f32)
 
 // Tensor-core GEMMs (bf16 only; CudaOps(moe_impl="mma")), 128 threads, dynamic shared memory.
-#define MOE_MMA_INST(NAME, GATED, CFG)                                                            \
+#define MOE_MMA_INST(NAME, GATED, MT, NTW, ST)                                                    \
     extern "C" __global__ void __launch_bounds__(MMA_NW * 32) NAME(                               \
         const __nv_bfloat16* a, const int* sorted_pair, int topk, const __nv_bfloat16* w, int N,   \
         int K, const int* tile_expert, const int* tile_row0, const int* offsets,                  \
         __nv_bfloat16* out) {                                                                     \
-        moe_mma_gemm<GATED, CFG>(a, sorted_pair, topk, w, N, K, tile_expert, tile_row0, offsets,  \
-                                 out);                                                            \
+        moe_mma_gemm<GATED, MT, NTW, ST>(a, sorted_pair, topk, w, N, K, tile_expert, tile_row0,   \
+                                         offsets, out);                                           \
     }
-MOE_MMA_INST(moe_mma_gate_up_m1, true, MOE_MMA_GU_M1)
-MOE_MMA_INST(moe_mma_down_m1, false, MOE_MMA_DN_M1)
-MOE_MMA_INST(moe_mma_gate_up_m4, true, MOE_MMA_GU_M4)
-MOE_MMA_INST(moe_mma_down_m4, false, MOE_MMA_DN_M4)
+// Tilings: moe_mma_<gate_up|down>_m<MT>_n<NTW>_s<STAGES> (the host picks one through MOE_MMA in
+// metrale/backends/cuda_gdn.py; perf/moe_tune.py times the rest). Shared memory per CTA:
+// 4 warps x STAGES x (2 NTW + 4 MT) x 512 B (n4_s4: 96 KB, two CTAs per SM).
+#define MOE_MMA_CFG(MT, NTW, ST)                                                                  \
+    MOE_MMA_INST(moe_mma_gate_up_m##MT##_n##NTW##_s##ST, true, MT, NTW, ST)                       \
+    MOE_MMA_INST(moe_mma_down_m##MT##_n##NTW##_s##ST, false, MT, NTW, ST)
+MOE_MMA_CFG(1, 2, 4)
+MOE_MMA_CFG(1, 2, 6)
+MOE_MMA_CFG(1, 4, 2)
+MOE_MMA_CFG(1, 4, 3)
+MOE_MMA_CFG(1, 4, 4)
+MOE_MMA_CFG(1, 8, 2)
+MOE_MMA_CFG(4, 4, 2)

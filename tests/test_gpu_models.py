@@ -21,7 +21,9 @@ GPU_SHAPES = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=64)
 GDN_SHAPES = dict(linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2,
                   linear_num_value_heads=4)
-ARCHS = ["qwen3_5", "qwen3_5_moe", "qwen3", "llama", "llama_smollm2"]
+# qwen3_5_moe_shared512: the shared expert as wide as the routed ones (as in Qwen3.5-MoE), so it
+# runs inside ops.moe(shared=True) as one more expert
+ARCHS = ["qwen3_5", "qwen3_5_moe", "qwen3_5_moe_shared512", "qwen3", "llama", "llama_smollm2"]
 # SmolLM2-135M's attention and MLP shapes (9 query heads over 3 KV heads of 64, hidden 576,
 # rope theta 1e5, tied embeddings), fewer layers
 SMOLLM2_SHAPES = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9,
@@ -38,6 +40,10 @@ def _make(arch, path):
     if arch == "qwen3_5_moe":
         extra.update(moe_intermediate_size=64, shared_expert_intermediate_size=128)
         extra.pop("intermediate_size")
+    if arch == "qwen3_5_moe_shared512":
+        extra.update(moe_intermediate_size=512, shared_expert_intermediate_size=512)
+        extra.pop("intermediate_size")
+        arch = "qwen3_5_moe"
     return make_tiny(arch, path, dtype="bfloat16", **extra)
 
 

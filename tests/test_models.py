@@ -174,6 +174,32 @@ def test_fused_expert_layout_loads_like_per_expert(tmp_path, prompt):
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
+def test_moe_shared_expert_as_wide_as_the_experts_runs_inside_the_moe(tmp_path, prompt):
+    """Qwen3.5-MoE's shared expert is as wide as the routed ones (512): it is loaded as one more
+    expert (router row E its gate) and runs in ops.moe(shared=True); logits still match HF's
+    separate shared-expert MLP. The CPU spec of moe(shared=True) also equals the composition
+    (routed experts + sigmoid(gate) * shared MLP) it replaces."""
+    path = make_tiny("qwen3_5_moe", tmp_path / "m", num_hidden_layers=2, shared_expert_intermediate_size=32)
+    h = Harness(path)
+    mlp = h.model.layers[0].mlp
+    assert mlp.fused_shared and mlp.shared is None and mlp.router.shape[0] == h.ckpt.config["num_experts"] + 1
+    ours = h.step([prompt], [0], [h.blocks_for(PROMPT_LEN)], [0])
+    assert rel_err(ours, hf_logits(h.hf, prompt)) <= RTOL
+
+    ops, rng = CpuOps(), np.random.default_rng(3)
+    E, H, I, k = 6, 16, 8, 2
+    x = rng.standard_normal((5, H)).astype(np.float32)
+    router = rng.standard_normal((E + 1, H)).astype(np.float32)
+    gate_up = rng.standard_normal((E + 1, 2 * I, H)).astype(np.float32)
+    down = rng.standard_normal((E + 1, H, I)).astype(np.float32)
+    fused = ops.moe(x, router, gate_up, down, k, True, shared=True)
+    h_ = x @ gate_up[E].T
+    mlp_out = (h_[:, :I] / (1 + np.exp(-h_[:, :I])) * h_[:, I:]) @ down[E].T
+    composed = ops.moe(x, router[:E], gate_up[:E], down[:E], k, True) \
+        + mlp_out / (1 + np.exp(-(x @ router[E])))[:, None]
+    np.testing.assert_allclose(fused, composed, rtol=1e-5, atol=1e-5 * np.abs(composed).max())
+
+
 def test_unknown_model_type_lists_supported(tmp_path):
     ckpt = Checkpoint({"model_type": "mamba9"}, {}, str(tmp_path), "x")
     with pytest.raises(CheckpointError) as err:

@@ -119,9 +119,12 @@ class Ops(Protocol):
 
     # -- mixture of experts --------------------------------------------------------------------
     def moe(self, x: Array, router_w: Array, gate_up: Array, down: Array, top_k: int,
-            renormalize: bool) -> Array:
+            renormalize: bool, shared: bool = False) -> Array:
         """softmax router over experts, top-k (renormalised), sum of weighted expert MLPs:
-        router_w [E, H], gate_up [E, 2I, H] ([gate | up]), down [E, H, I]; x [T, H] -> [T, H]."""
+        router_w [E, H], gate_up [E, 2I, H] ([gate | up]), down [E, H, I]; x [T, H] -> [T, H].
+        `shared`: the last of the E + 1 experts (router_w, gate_up, down all have E + 1 rows) is
+        a shared expert every token also takes, with weight sigmoid(x . router_w[E]) (Qwen's
+        shared_expert_gate), outside the softmax and the renormalisation."""
 
 
 def compose_qk_norm_rope_write_kv(ops, q, k, v, q_norm_w, k_norm_w, eps, offset, positions, inv_freq,

@@ -290,9 +290,14 @@ class CpuOps:
         return self._out(_rms(x, eps) * _f32(w) * _silu(_f32(z)))
 
     # -- mixture of experts ----------------------------------------------------------------
-    def moe(self, x, router_w, gate_up, down, top_k, renormalize):
+    def moe(self, x, router_w, gate_up, down, top_k, renormalize, shared=False):
         x32 = _f32(x)
-        weights, experts = _route(x32 @ _f32(router_w).T, top_k, renormalize)
+        logits = x32 @ _f32(router_w).T
+        n_routed = logits.shape[1] - int(bool(shared))
+        weights, experts = _route(logits[:, :n_routed], top_k, renormalize)
+        if shared:      # expert n_routed: every token, weight sigmoid(its gate logit)
+            weights = np.concatenate([weights, _sigmoid(logits[:, n_routed:])], axis=1)
+            experts = np.concatenate([experts, np.full((len(x32), 1), n_routed)], axis=1)
         out = np.zeros(x32.shape, dtype=F32)
         for e in np.unique(experts):
             tok, pick = np.nonzero(experts == e)

@@ -748,5 +748,5 @@ class CudaOps:
     def gated_rms_norm(self, x, z, w, eps):
         return self._gdn("gated_rms_norm")(self, x, z, w, eps)
 
-    def moe(self, x, router_w, gate_up, down, top_k, renormalize):
-        return self._gdn("moe")(self, x, router_w, gate_up, down, top_k, renormalize)
+    def moe(self, x, router_w, gate_up, down, top_k, renormalize, shared=False):
+        return self._gdn("moe")(self, x, router_w, gate_up, down, top_k, renormalize, shared)

@@ -21,14 +21,20 @@ KERNEL_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "kernels_cuda")
 GDN_CHUNK = 64                   # must match CH in gdn_delta.cu
 CONV_SEG = 64                    # tokens per thread segment in gdn_conv.cu
 MOE_BM = 64                      # rows per GEMM tile in moe.cu (CUDA-core "simt" GEMMs)
-# tensor-core GEMMs (moe_impl="mma"), must match MOE_MMA_* in moe.cu: variant -> (m-tiles of 16
-# rows, gate_up (n-tiles of 8 weight rows, stages), down (n-tiles, stages)); 4 warps, 64-wide
-# k-blocks. "m1" (16-row tiles) for decode-like routing, "m4" (64-row tiles) once the experts
-# average MOE_MMA_M4_MIN_ROWS rows or more.
+# tensor-core GEMMs (moe_impl="mma"), one of the tilings moe.cu instantiates
+# (moe_mma_<gate_up|down>_m<MT>_n<NTW>_s<STAGES>): variant -> (m-tiles of 16 rows, gate_up
+# (n-tiles of 8 weight rows, stages), down (n-tiles, stages)); 4 warps, 64-wide k-blocks. "m1"
+# (16-row tiles) for decode-like routing, "m4" (64-row tiles) once the experts average
+# MOE_MMA_M4_MIN_ROWS rows or more.
 MOE_MMA = {"m1": (1, (4, 4), (4, 3)), "m4": (4, (4, 2), (4, 2))}
 MOE_MMA_WARPS = 4
 MOE_MMA_M4_MIN_ROWS = 32
 MOE_IMPLS = ("simt", "mma")
+# moe_plan (routing in one CTA) for steps of at most this many (token, expert) pairs; its warps'
+# softmax scratch stays within MOE_PLAN_ROUTE_SMEM bytes (plus 4 bytes per pair: 48 KB in all
+# with the 12 KB of static shared memory)
+MOE_PLAN_MAX_PAIRS = 1024
+MOE_PLAN_ROUTE_SMEM = 30 * 1024
 GDN_HEAD_DIMS = {(16, 16), (32, 32), (64, 64), (128, 128), (64, 128), (128, 64)}
 SMEM_LIMIT = 232448              # H100/H200 max dynamic shared memory per block
 
@@ -313,19 +319,25 @@ def _router_logits(ops, x, router_w):
     return x @ router_w.T
 
 
-def moe(ops, x, router_w, gate_up, down, top_k, renormalize):
+def moe(ops, x, router_w, gate_up, down, top_k, renormalize, shared=False):
     """softmax router over E experts, top-k (renormalised when asked), weighted sum of the
-    experts' SiLU MLPs. x [T, H], router_w [E, H], gate_up [E, 2I, H], down [E, H, I].
+    experts' SiLU MLPs. x [T, H], router_w [E + S, H], gate_up [E + S, 2I, H], down [E + S, H, I]
+    with S = 1 when `shared`: the last expert is a shared expert every token takes with weight
+    sigmoid(x . router_w[E]) (see kernels_cuda/moe.cu). Routing of steps of at most
+    MOE_PLAN_MAX_PAIRS pairs (decode) in one launch (moe_plan), larger ones in four.
     Expert GEMMs: ops.moe_impl "simt" (CUDA-core 64x64 tiles) or "mma" (tensor cores, bf16;
     16-row tiles, or 64-row tiles once P >= MOE_MMA_M4_MIN_ROWS * E; see kernels_cuda/moe.cu)."""
     T, H = x.shape
-    E = router_w.shape[0]
+    S = int(bool(shared))
+    Et = router_w.shape[0]
+    E = Et - S
     I = down.shape[2]
-    if gate_up.shape != (E, 2 * I, H) or down.shape != (E, H, I):
+    if gate_up.shape != (Et, 2 * I, H) or down.shape != (Et, H, I):
         raise ValueError(f"moe: gate_up {gate_up.shape} / down {down.shape} do not match "
-                         f"E={E}, H={H}, I={I}")
-    if E > 1024 or not 0 < top_k <= E:
-        raise ValueError(f"moe: E={E}, top_k={top_k} not supported (E <= 1024, 0 < top_k <= E)")
+                         f"{Et} experts, H={H}, I={I}")
+    if Et > 1024 or E < 1 or not 0 < top_k <= E:
+        raise ValueError(f"moe: E={E} (+{S} shared), top_k={top_k} not supported "
+                         f"(E + shared <= 1024, 0 < top_k <= E)")
     if H % 8 or I % 8:
         raise ValueError(f"moe: H={H} and I={I} must be multiples of 8 (16-byte loads)")
     out = _empty(ops, (T, H), x.dtype)
@@ -337,41 +349,56 @@ def moe(ops, x, router_w, gate_up, down, top_k, renormalize):
     gate_up = cp.ascontiguousarray(gate_up)
     down = cp.ascontiguousarray(down)
     logits = cp.ascontiguousarray(_router_logits(ops, x, router_w))
-    P = T * top_k
+    kk = top_k + S                       # pairs per token
+    P = T * kk
     impl = getattr(ops, "moe_impl", "simt")
     if impl not in MOE_IMPLS:
         raise ValueError(f"moe: moe_impl {impl!r} is not one of {MOE_IMPLS}")
     use_mma = impl == "mma" and x.dtype.itemsize == 2   # fp32 activations: the simt kernels
     if use_mma:
-        variant = "m4" if P >= MOE_MMA_M4_MIN_ROWS * E else "m1"
+        variant = "m4" if P >= MOE_MMA_M4_MIN_ROWS * Et else "m1"
         mt, (gu_ntw, gu_st), (dn_ntw, dn_st) = MOE_MMA[variant]
         bm = 16 * mt
     else:
         bm = MOE_BM
-    max_tiles = P // bm + min(E, P) + 1
-    ints = cp.zeros(2 * E + (E + 1) + 2 * max_tiles + 2 * P + P, dtype=cp.int32)
-    counts, fill = ints[:E], ints[E:2 * E]
-    offsets = ints[2 * E:3 * E + 1]
-    tile_expert = ints[3 * E + 1:3 * E + 1 + max_tiles]
-    tile_row0 = ints[3 * E + 1 + max_tiles:3 * E + 1 + 2 * max_tiles]
-    rest = ints[3 * E + 1 + 2 * max_tiles:]
-    sorted_pair, pair_pos, ids = rest[:P], rest[P:2 * P], rest[2 * P:3 * P]
+    max_tiles = P // bm + min(Et, P) + 1
     wts = cp.empty(P, dtype=cp.float32)
     sfx = _sfx(x)
-    _kernel(ops, "moe.cu", f"moe_route_{_sfx(logits)}")(
-        ((T + 3) // 4,), (128,),
-        (logits, np.int32(T), np.int32(E), np.int32(top_k), np.int32(bool(renormalize)),
-         ids, wts, counts), shared_mem=4 * E * 4)
-    if use_mma:
-        _kernel(ops, "moe.cu", "moe_scan_tiles")(
-            (1,), (1024,), (counts, np.int32(E), np.int32(max_tiles), np.int32(bm), offsets,
-                            tile_expert, tile_row0))
+    if P <= MOE_PLAN_MAX_PAIRS:
+        ints = cp.empty((Et + 1) + 2 * max_tiles + 2 * P, dtype=cp.int32)
+        offsets = ints[:Et + 1]
+        tile_expert = ints[Et + 1:Et + 1 + max_tiles]
+        tile_row0 = ints[Et + 1 + max_tiles:Et + 1 + 2 * max_tiles]
+        sorted_pair = ints[Et + 1 + 2 * max_tiles:Et + 1 + 2 * max_tiles + P]
+        pair_pos = ints[Et + 1 + 2 * max_tiles + P:]
+        nwr = max(1, min(32, T, MOE_PLAN_ROUTE_SMEM // (4 * E)))
+        _kernel(ops, "moe.cu", f"moe_plan_{_sfx(logits)}")(
+            (1,), (1024,),
+            (logits, np.int32(T), np.int32(E), np.int32(top_k), np.int32(bool(renormalize)),
+             np.int32(S), np.int32(nwr), np.int32(max_tiles), np.int32(bm), wts, offsets,
+             tile_expert, tile_row0, sorted_pair, pair_pos), shared_mem=4 * (nwr * E + P))
     else:
-        _kernel(ops, "moe.cu", "moe_scan")(
-            (1,), (1024,), (counts, np.int32(E), np.int32(max_tiles), offsets, tile_expert,
-                            tile_row0))
-    _kernel(ops, "moe.cu", "moe_scatter")(
-        ((P + 255) // 256,), (256,), (ids, np.int32(P), offsets, fill, sorted_pair, pair_pos))
+        ints = cp.zeros(2 * Et + (Et + 1) + 2 * max_tiles + 2 * P + P, dtype=cp.int32)
+        counts, fill = ints[:Et], ints[Et:2 * Et]
+        offsets = ints[2 * Et:3 * Et + 1]
+        tile_expert = ints[3 * Et + 1:3 * Et + 1 + max_tiles]
+        tile_row0 = ints[3 * Et + 1 + max_tiles:3 * Et + 1 + 2 * max_tiles]
+        rest = ints[3 * Et + 1 + 2 * max_tiles:]
+        sorted_pair, pair_pos, ids = rest[:P], rest[P:2 * P], rest[2 * P:3 * P]
+        _kernel(ops, "moe.cu", f"moe_route_{_sfx(logits)}")(
+            ((T + 3) // 4,), (128,),
+            (logits, np.int32(T), np.int32(E), np.int32(top_k), np.int32(bool(renormalize)),
+             np.int32(S), ids, wts, counts), shared_mem=4 * E * 4)
+        if use_mma:
+            _kernel(ops, "moe.cu", "moe_scan_tiles")(
+                (1,), (1024,), (counts, np.int32(Et), np.int32(max_tiles), np.int32(bm), offsets,
+                                tile_expert, tile_row0))
+        else:
+            _kernel(ops, "moe.cu", "moe_scan")(
+                (1,), (1024,), (counts, np.int32(Et), np.int32(max_tiles), offsets, tile_expert,
+                                tile_row0))
+        _kernel(ops, "moe.cu", "moe_scatter")(
+            ((P + 255) // 256,), (256,), (ids, np.int32(P), offsets, fill, sorted_pair, pair_pos))
     act = _empty(ops, (P, I), x.dtype)
     if use_mma:
         y = _empty(ops, (P, H), x.dtype)
@@ -380,21 +407,21 @@ def moe(ops, x, router_w, gate_up, down, top_k, renormalize):
                 ("down", dn_ntw, dn_st, False, H, I, act, None, down, y)):
             bn = 8 * (ntw // 2 if gated else ntw)
             smem = moe_mma_smem(mt, ntw, stages)
-            _kernel(ops, "moe.cu", f"moe_mma_{name}_{variant}", smem)(
+            _kernel(ops, "moe.cu", f"moe_mma_{name}_m{mt}_n{ntw}_s{stages}", smem)(
                 ((n_out + bn - 1) // bn, max_tiles), (32 * MOE_MMA_WARPS,),
-                (a, sp if sp is not None else np.uint64(0), np.int32(top_k), w, np.int32(n_out),
+                (a, sp if sp is not None else np.uint64(0), np.int32(kk), w, np.int32(n_out),
                  np.int32(k_in), tile_expert, tile_row0, offsets, dst), shared_mem=smem)
         _kernel(ops, "moe.cu", f"moe_combine_{sfx}")(
-            (T, (H + 255) // 256), (256,), (y, pair_pos, wts, np.int32(top_k), np.int32(H), out))
+            (T, (H + 255) // 256), (256,), (y, pair_pos, wts, np.int32(kk), np.int32(H), out))
         return out
     _kernel(ops, "moe.cu", f"moe_gemm_gate_up_{sfx}")(
         ((I + 63) // 64, max_tiles), (256,),
-        (x, sorted_pair, np.int32(top_k), gate_up, np.int32(I), np.int32(H),
+        (x, sorted_pair, np.int32(kk), gate_up, np.int32(I), np.int32(H),
          tile_expert, tile_row0, offsets, act))
     y = _empty(ops, (P, H), x.dtype)
     _kernel(ops, "moe.cu", f"moe_gemm_down_{sfx}")(
         ((H + 63) // 64, max_tiles), (256,),
         (act, down, np.int32(H), np.int32(I), tile_expert, tile_row0, offsets, y))
     _kernel(ops, "moe.cu", f"moe_combine_{sfx}")(
-        (T, (H + 255) // 256), (256,), (y, pair_pos, wts, np.int32(top_k), np.int32(H), out))
+        (T, (H + 255) // 256), (256,), (y, pair_pos, wts, np.int32(kk), np.int32(H), out))
     return out

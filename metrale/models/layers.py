@@ -174,32 +174,53 @@ class SparseMoe:
     """Softmax top-k router over E SwiGLU experts, plus an optional shared expert scaled by
     sigmoid(shared_expert_gate(x)). Experts load from the fused transformers-5 layout
     (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]) or per expert
-    (`experts.{e}.gate_proj.weight` ...)."""
+    (`experts.{e}.gate_proj.weight` ...).
+
+    A shared expert as wide as the routed ones (Qwen3.5-MoE: 512 and 512) is loaded as expert E
+    of the same tensors, its gate as router row E, and runs inside ops.moe(shared=True): one
+    routed-expert pipeline instead of that plus five launches (two GEMMs, SiLU-mul, gate GEMM,
+    sigmoid-mul and the add) per layer. Other widths run it as a DenseMLP beside."""
 
     def __init__(self, w: Weights, hidden: int, n_experts: int, intermediate: int, top_k: int,
                  renormalize: bool, shared_intermediate: int = 0):
         self.ops, self.top_k, self.renormalize = w.ops, top_k, renormalize
+        self.fused_shared = bool(shared_intermediate) and shared_intermediate == intermediate
+        gate_up, down = _expert_tensors(w.sub("experts."), hidden, n_experts, intermediate)
+        if self.fused_shared:
+            sw = w.sub("shared_expert.")
+            self.router = w.rows([("gate.weight", (n_experts, hidden)),
+                                  ("shared_expert_gate.weight", (1, hidden))])
+            shared_gu = np.concatenate([sw.host("gate_proj.weight", (intermediate, hidden)),
+                                        sw.host("up_proj.weight", (intermediate, hidden))])
+            self.gate_up = w.ops.asarray(np.concatenate([gate_up, shared_gu[None]]))
+            self.down = w.ops.asarray(np.concatenate(
+                [down, sw.host("down_proj.weight", (hidden, intermediate))[None]]))
+            self.shared = self.shared_gate = None
+            return
         self.router = w.get("gate.weight", (n_experts, hidden))
-        self.gate_up, self.down = _load_experts(w.sub("experts."), hidden, n_experts, intermediate)
+        self.gate_up, self.down = w.ops.asarray(gate_up), w.ops.asarray(down)
         self.shared = DenseMLP(w.sub("shared_expert."), hidden, shared_intermediate) if shared_intermediate else None
         self.shared_gate = w.get("shared_expert_gate.weight", (1, hidden)) if shared_intermediate else None
 
     def __call__(self, x, batch=None, caches=None):
         ops = self.ops
-        y = ops.moe(x, self.router, self.gate_up, self.down, self.top_k, self.renormalize)
+        y = ops.moe(x, self.router, self.gate_up, self.down, self.top_k, self.renormalize,
+                    shared=self.fused_shared)
         if self.shared is None:
             return y
         shared = ops.sigmoid_mul(self.shared(x), ops.linear(x, self.shared_gate))  # gate [T, 1] broadcasts
         return y + shared
 
 
-def _load_experts(w: Weights, hidden: int, n: int, inter: int):
+def _expert_tensors(w: Weights, hidden: int, n: int, inter: int):
+    """(gate_up [n, 2I, H], down [n, H, I]) as stored (host arrays: memory-mapped numpy, or
+    device arrays of checkpoints synthesised on the GPU)."""
     if w.has("gate_up_proj"):
-        return (w.get("gate_up_proj", (n, 2 * inter, hidden)), w.get("down_proj", (n, hidden, inter)))
+        return (w.host("gate_up_proj", (n, 2 * inter, hidden)), w.host("down_proj", (n, hidden, inter)))
     gate_up = np.stack([np.concatenate([w.host(f"{e}.gate_proj.weight", (inter, hidden)),
                                         w.host(f"{e}.up_proj.weight", (inter, hidden))]) for e in range(n)])
     down = np.stack([w.host(f"{e}.down_proj.weight", (hidden, inter)) for e in range(n)])
-    return w.ops.asarray(gate_up), w.ops.asarray(down)
+    return gate_up, down
 
 
 class DecoderLayer:

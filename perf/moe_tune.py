@@ -1,0 +1,107 @@
+"""One Qwen3.5-35B-A3B MoE layer at decode sizes: the shared expert run beside the routed experts
+(the engine before 2026-11-30: ops.moe + a DenseMLP, its gate GEMM, sigmoid-mul and the add) vs
+inside ops.moe(shared=True), and the tensor-core tilings of the decode ("m1") expert GEMMs.
+
+    GIT_COMMIT=<hash> python perf/moe_tune.py [--out DIR]
+
+Every variant is timed as graph replays rotating over 16 token sets (the weights, 1.6 GB, stream
+from DRAM). Bytes per call: the experts the tokens reach (routed, unique, + the shared one) x
+3 x H x I x 2, the router, x and out; the floor is that over the measured copy bandwidth. The
+fused result is checked against the unfused one (rel err, bf16). Writes moe_tune_<date>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import cupy
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from metrale.backends import cuda_gdn  # noqa: E402
+from metrale.backends.cuda import CudaOps  # noqa: E402
+from perf.bench_ops import bench_ceilings, commit, rand_bf16, time_graph  # noqa: E402
+
+E, H, I, K = 256, 2048, 512, 8
+# (gate_up (ntw, stages), down (ntw, stages)) candidates for the m1 tiles (moe.cu instantiates them)
+GU = [(4, 4), (4, 3), (4, 2), (2, 4), (2, 6), (8, 2)]
+DN = [(4, 3), (4, 4), (4, 2), (2, 4), (2, 6), (8, 2)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="perf/results")
+    ap.add_argument("--ts", default="1,2,4,8,16,32")
+    args = ap.parse_args()
+    ops = CudaOps(moe_impl="mma")
+    bw = bench_ceilings(ops)["copy_bytes_per_s"]
+    nsets = 16
+    gate_up = rand_bf16((E + 1, 2 * I, H), H ** -0.5)
+    down = rand_bf16((E + 1, H, I), I ** -0.5)
+    router = rand_bf16((E + 1, H), 1.5 * H ** -0.5)
+    routed = (router[:E], gate_up[:E], down[:E])          # views: the same bytes
+    shared_gu, shared_dn, shared_gate = gate_up[E], down[E], router[E:]
+    rw_host = cupy.asnumpy(router[:E].astype(cupy.float32))
+    default = dict(cuda_gdn.MOE_MMA)
+    rows = []
+    for T in [int(t) for t in args.ts.split(",")]:
+        xs = [rand_bf16((T, H)) for _ in range(nsets)]
+        active = np.mean([len(np.unique(np.argsort(-(cupy.asnumpy(x.astype(cupy.float32)) @ rw_host.T),
+                                                    axis=1, kind="stable")[:, :K])) for x in xs]) + 1
+        nbytes = active * 3 * H * I * 2 + (E + 1) * H * 2 + 2 * T * H * 2
+        row = {"T": T, "active_experts": float(active), "bytes": float(nbytes), "floor_s": nbytes / bw}
+        it = {"i": 0}
+
+        def unfused():
+            x = xs[it["i"] % nsets]
+            it["i"] += 1
+            y = ops.moe(x, *routed, K, True)
+            s = ops.linear(ops.silu_mul(ops.linear(x, shared_gu)), shared_dn)
+            return y + ops.sigmoid_mul(s, ops.linear(x, shared_gate))
+
+        def fused():
+            x = xs[it["i"] % nsets]
+            it["i"] += 1
+            return ops.moe(x, router, gate_up, down, K, True, shared=True)
+
+        t = time_graph(unfused, nsets, 20)
+        row["unfused"] = {"s": t, "frac_copy_bw": nbytes / t / bw}
+        ref = cupy.asnumpy(unfused().astype(cupy.float32)).astype(np.float64)
+        row["fused"] = []
+        cands = [(g, DN[0]) for g in GU] + [(GU[0], d) for d in DN[1:]]
+        for gu, dn in cands:
+            cuda_gdn.MOE_MMA["m1"] = (1, gu, dn)
+            try:
+                it["i"] = 0
+                got = cupy.asnumpy(fused().astype(cupy.float32)).astype(np.float64)
+                it["i"] = 0
+                t = time_graph(fused, nsets, 20)
+            finally:
+                cuda_gdn.MOE_MMA.update(default)
+            err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+            row["fused"].append({"gate_up": gu, "down": dn, "s": t, "frac_copy_bw": nbytes / t / bw,
+                                 "rel_vs_unfused": err})
+        best = min(row["fused"], key=lambda r: r["s"])
+        print(f"T={T:>3} experts {active:5.1f} floor {row['floor_s'] * 1e6:6.1f} us | unfused "
+              f"{row['unfused']['s'] * 1e6:6.1f} us ({100 * row['unfused']['frac_copy_bw']:.0f}%) | fused "
+              + " ".join(f"{r['gate_up']}/{r['down']}:{r['s'] * 1e6:.1f}" for r in row["fused"])
+              + f" | best {best['gate_up']}/{best['down']} {best['s'] * 1e6:.1f} us "
+              f"({100 * best['frac_copy_bw']:.0f}%), rel {best['rel_vs_unfused']:.1e}", flush=True)
+        rows.append(row)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    now = datetime.now(timezone.utc)
+    res = {"benchmark": "moe_tune", "commit": commit(), "date": now.isoformat(),
+           "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+           "shape": {"E": E, "H": H, "I": I, "top_k": K, "shared_expert": True, "dtype": "bfloat16"},
+           "copy_bytes_per_s": bw, "rows": rows}
+    path = out / f"moe_tune_{now.strftime('%Y%m%d_%H%M%S')}.json"
+    path.write_text(json.dumps(res, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
