@@ -22,7 +22,9 @@
 //   moe_gemm_down_<T>     y T [P, H] = act down[e]^T, down [E, H, I]; grid (H/64, max_tiles).
 //   moe_combine_<T> out T [T, H] = sum_j wts[t, j] * y[pair_pos[t*k+j]] (fp32, no atomics).
 //   moe_plan_<T>    route + scan + scatter in one CTA for steps of few pairs (decode), counts in
-//                   shared memory: one launch instead of a memset and three.
+//                   shared memory: one launch instead of a memset and three; ids i32 [P] too.
+//   moe_gemv_gate_up / moe_gemv_down  the expert GEMMs of single-token steps on CUDA cores
+//                   (bf16; see their comment).
 // max_tiles = P/64 + min(E, P) + 1 bounds the tiles of any routing, so every launch has a
 // static shape (CUDA graphs). Requires H % 8 == 0 and I % 8 == 0 (16-byte loads).
 // Bytes: decode is weight-streaming: (active experts) * 3*H*I*2; FLOPs 6*P*H*I.
@@ -498,7 +500,8 @@ __device__ __forceinline__ void moe_plan(const T* __restrict__ logits, int T_, i
                                          int renorm, int shared, int nwr, int max_tiles, int bm,
                                          float* __restrict__ wts, int* __restrict__ offsets,
                                          int* __restrict__ tile_expert, int* __restrict__ tile_row0,
-                                         int* __restrict__ sorted_pair, int* __restrict__ pair_pos) {
+                                         int* __restrict__ sorted_pair, int* __restrict__ pair_pos,
+                                         int* __restrict__ ids_out) {
     extern __shared__ float dyn[];
     __shared__ int counts[1024], fill[1024], offs[1024];
     const int tid = threadIdx.x, warp = tid >> 5;
@@ -520,7 +523,126 @@ __device__ __forceinline__ void moe_plan(const T* __restrict__ logits, int T_, i
         const int pos = offs[e] + atomicAdd(&fill[e], 1);
         sorted_pair[pos] = p;
         pair_pos[p] = pos;
+        ids_out[p] = e;
     }
+}
+
+// -- decode expert GEMVs (T = 1: every pair its own expert): CUDA cores, weights streamed -----
+//
+// moe_gemv_gate_up: act [P, I] (sorted pair order pos) = silu(Wg x) * (Wu x) with
+//   Wg|Wu = gate_up[e] [2I, H], e = ids[sorted_pair[pos]], x = x[sorted_pair[pos] / kk];
+// moe_gemv_down: y [P, H] = down[e] [H, I] act[pos]. One warp = GV_ROWS weight rows of one pair
+// (gate_up: GV_ROWS / 2 outputs, their gate and up rows; down: GV_ROWS outputs) over all of k:
+// lane l reads the 16-byte vectors l, l + 32, ... of every row (512 contiguous bytes per row
+// per warp instruction), GV_U per row per round, all issued before the FMAs (volatile loads);
+// fp32 sums, warp-shuffle reduction, lane 0 stores. Why: at T = 1 the 9 experts of a
+// Qwen3.5-35B-A3B layer are 36 MB of gate_up in 288 tensor-core CTAs of 128 KB (2.2 per SM:
+// the slowest SM's third CTA sets the end); here 576-1152 CTAs of 4 warps balance like the
+// dense GEMV (gemv.cu). A pair re-reads an expert another pair of the step also took (T > 1).
+// Bytes: P x (2I + I) x H x 2 (weights) + P x (H + I) x 2 x 2; FLOPs 6 P H I.
+constexpr int GV_ROWS = 4, GV_U = 4;
+
+__device__ __forceinline__ uint4 moe_ldg16(const void* p, bool pred) {
+    uint4 v;
+    asm volatile(
+        "{\n"
+        "  .reg .pred p;\n"
+        "  setp.ne.b32 p, %5, 0;\n"
+        "  mov.b32 %0, 0;\n"
+        "  mov.b32 %1, 0;\n"
+        "  mov.b32 %2, 0;\n"
+        "  mov.b32 %3, 0;\n"
+        "  @p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+        "}\n"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p), "r"(static_cast<int>(pred)));
+    return v;
+}
+
+__device__ __forceinline__ float moe_dot8(const uint4& a, const uint4& b, float acc) {
+    const uint32_t aw[4] = {a.x, a.y, a.z, a.w}, bw[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        acc = fmaf(__uint_as_float(aw[i] << 16), __uint_as_float(bw[i] << 16), acc);
+        acc = fmaf(__uint_as_float(aw[i] & 0xffff0000u), __uint_as_float(bw[i] & 0xffff0000u), acc);
+    }
+    return acc;
+}
+
+// acc[r] = w[r] . x over k (k % 8 == 0), summed over the warp (every lane gets the totals)
+__device__ __forceinline__ void moe_warp_rows(const __nv_bfloat16* const (&w)[GV_ROWS],
+                                              const __nv_bfloat16* __restrict__ x, int k,
+                                              float (&acc)[GV_ROWS]) {
+    const int lane = threadIdx.x & 31;
+    const int nv = k >> 3;
+#pragma unroll
+    for (int r = 0; r < GV_ROWS; ++r) acc[r] = 0.f;
+    for (int v0 = 0; v0 < nv; v0 += 32 * GV_U) {
+        uint4 wv[GV_ROWS][GV_U], xv[GV_U];
+#pragma unroll
+        for (int u = 0; u < GV_U; ++u) {
+            const int v = v0 + u * 32 + lane;
+#pragma unroll
+            for (int r = 0; r < GV_ROWS; ++r) wv[r][u] = moe_ldg16(w[r] + v * 8, v < nv);
+        }
+#pragma unroll
+        for (int u = 0; u < GV_U; ++u) {
+            const int v = v0 + u * 32 + lane;
+            xv[u] = moe_ldg16(x + v * 8, v < nv);
+        }
+#pragma unroll
+        for (int u = 0; u < GV_U; ++u)
+#pragma unroll
+            for (int r = 0; r < GV_ROWS; ++r) acc[r] = moe_dot8(wv[r][u], xv[u], acc[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < GV_ROWS; ++r) acc[r] = mt::warp_sum(acc[r]);
+}
+
+extern "C" __global__ void __launch_bounds__(128, 1) moe_gemv_gate_up(
+    const __nv_bfloat16* __restrict__ x, const int* __restrict__ ids,
+    const int* __restrict__ sorted_pair, int kk, const __nv_bfloat16* __restrict__ gate_up, int I,
+    int H, int P, __nv_bfloat16* __restrict__ act) {
+    constexpr int NO = GV_ROWS / 2;                       // outputs per warp (I % NO == 0)
+    const long long wg = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
+    const int per_pos = I / NO;
+    const int pos = (int)(wg / per_pos);
+    if (pos >= P) return;
+    const int j0 = (int)(wg % per_pos) * NO;
+    const int pair = sorted_pair[pos];
+    const __nv_bfloat16* We = gate_up + (long long)ids[pair] * 2 * I * H;
+    const __nv_bfloat16* w[GV_ROWS];
+#pragma unroll
+    for (int r = 0; r < NO; ++r) {
+        w[r] = We + (long long)(j0 + r) * H;
+        w[NO + r] = We + (long long)(I + j0 + r) * H;
+    }
+    float acc[GV_ROWS];
+    moe_warp_rows(w, x + (long long)(pair / kk) * H, H, acc);
+    if ((threadIdx.x & 31) == 0)
+#pragma unroll
+        for (int r = 0; r < NO; ++r)
+            act[(long long)pos * I + j0 + r] = __float2bfloat16_rn(mt::silu(acc[r]) * acc[NO + r]);
+}
+
+extern "C" __global__ void __launch_bounds__(128, 1) moe_gemv_down(
+    const __nv_bfloat16* __restrict__ act, const int* __restrict__ ids,
+    const int* __restrict__ sorted_pair, const __nv_bfloat16* __restrict__ down, int H, int I,
+    int P, __nv_bfloat16* __restrict__ y) {
+    const long long wg = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
+    const int per_pos = H / GV_ROWS;                      // H % GV_ROWS == 0
+    const int pos = (int)(wg / per_pos);
+    if (pos >= P) return;
+    const int n0 = (int)(wg % per_pos) * GV_ROWS;
+    const __nv_bfloat16* De = down + (long long)ids[sorted_pair[pos]] * H * I;
+    const __nv_bfloat16* w[GV_ROWS];
+#pragma unroll
+    for (int r = 0; r < GV_ROWS; ++r) w[r] = De + (long long)(n0 + r) * I;
+    float acc[GV_ROWS];
+    moe_warp_rows(w, act + (long long)pos * I, I, acc);
+    if ((threadIdx.x & 31) == 0)
+#pragma unroll
+        for (int r = 0; r < GV_ROWS; ++r) y[(long long)pos * H + n0 + r] = __float2bfloat16_rn(acc[r]);
 }
 
 #define MOE_INST(T, SUF)                                                                          \
@@ -532,9 +654,9 @@ __device__ __forceinline__ void moe_plan(const T* __restrict__ logits, int T_, i
     extern "C" __global__ void __launch_bounds__(1024) moe_plan_##SUF(                            \
         const T* logits, int T_, int E, int k, int renorm, int shared, int nwr, int max_tiles,    \
         int bm, float* wts, int* offsets, int* tile_expert, int* tile_row0, int* sorted_pair,     \
-        int* pair_pos) {                                                                          \
+        int* pair_pos, int* ids) {                                                                \
         moe_plan<T>(logits, T_, E, k, renorm, shared, nwr, max_tiles, bm, wts, offsets,           \
-                    tile_expert, tile_row0, sorted_pair, pair_pos);                               \
+                    tile_expert, tile_row0, sorted_pair, pair_pos, ids);                          \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(GNT) moe_gemm_gate_up_##SUF(                     \
         const T* x, const int* sorted_pair, int topk, const T* gate_up, int I, int H,             \

@@ -1,6 +1,7 @@
 """One Qwen3.5-35B-A3B MoE layer at decode sizes: the shared expert run beside the routed experts
 (the engine before 2026-11-30: ops.moe + a DenseMLP, its gate GEMM, sigmoid-mul and the add) vs
-inside ops.moe(shared=True), and the tensor-core tilings of the decode ("m1") expert GEMMs.
+inside ops.moe(shared=True), the tensor-core tilings of the decode ("m1") expert GEMMs, and the
+CUDA-core expert GEMVs (moe_gemv_*, the engine's choice at T = 1) at every T.
 
     GIT_COMMIT=<hash> python perf/moe_tune.py [--out DIR]
 
@@ -28,7 +29,7 @@ from perf.bench_ops import bench_ceilings, commit, rand_bf16, time_graph  # noqa
 E, H, I, K = 256, 2048, 512, 8
 # (gate_up (ntw, stages), down (ntw, stages)) candidates for the m1 tiles (moe.cu instantiates them)
 GU = [(4, 4), (4, 3), (4, 2), (2, 4), (2, 6), (8, 2)]
-DN = [(4, 3), (4, 4), (4, 2), (2, 4), (2, 6), (8, 2)]
+DN = [(4, 4), (4, 3), (4, 2), (2, 4), (2, 6), (8, 2)]
 
 
 def main():
@@ -67,13 +68,20 @@ def main():
             it["i"] += 1
             return ops.moe(x, router, gate_up, down, K, True, shared=True)
 
-        t = time_graph(unfused, nsets, 20)
+        keep, cuda_gdn.MOE_GEMV_MAX_TOKENS = cuda_gdn.MOE_GEMV_MAX_TOKENS, 0   # the tensor-core tiles
+        try:
+            t = time_graph(unfused, nsets, 20)
+            it["i"] = 0
+            ref = cupy.asnumpy(unfused().astype(cupy.float32)).astype(np.float64)   # on xs[0]
+        finally:
+            cuda_gdn.MOE_GEMV_MAX_TOKENS = keep
         row["unfused"] = {"s": t, "frac_copy_bw": nbytes / t / bw}
-        ref = cupy.asnumpy(unfused().astype(cupy.float32)).astype(np.float64)
         row["fused"] = []
-        cands = [(g, DN[0]) for g in GU] + [(GU[0], d) for d in DN[1:]]
+        gu0, dn0 = default["m1"][1], default["m1"][2]          # the engine's tiling first
+        cands = [(gu0, dn0)] + [(g, dn0) for g in GU if g != gu0] + [(gu0, d) for d in DN if d != dn0]
         for gu, dn in cands:
             cuda_gdn.MOE_MMA["m1"] = (1, gu, dn)
+            gemv_keep, cuda_gdn.MOE_GEMV_MAX_TOKENS = cuda_gdn.MOE_GEMV_MAX_TOKENS, 0
             try:
                 it["i"] = 0
                 got = cupy.asnumpy(fused().astype(cupy.float32)).astype(np.float64)
@@ -81,15 +89,29 @@ def main():
                 t = time_graph(fused, nsets, 20)
             finally:
                 cuda_gdn.MOE_MMA.update(default)
+                cuda_gdn.MOE_GEMV_MAX_TOKENS = gemv_keep
             err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
             row["fused"].append({"gate_up": gu, "down": dn, "s": t, "frac_copy_bw": nbytes / t / bw,
                                  "rel_vs_unfused": err})
+        # the CUDA-core GEMVs of single-token steps (moe_gemv_*), at every T
+        cuda_gdn.MOE_GEMV_MAX_TOKENS, keep = 1 << 30, cuda_gdn.MOE_GEMV_MAX_TOKENS
+        try:
+            it["i"] = 0
+            got = cupy.asnumpy(fused().astype(cupy.float32)).astype(np.float64)
+            it["i"] = 0
+            t = time_graph(fused, nsets, 20)
+        finally:
+            cuda_gdn.MOE_GEMV_MAX_TOKENS = keep
+        row["gemv"] = {"s": t, "frac_copy_bw": nbytes / t / bw,
+                       "rel_vs_unfused": float(np.linalg.norm(got - ref) / np.linalg.norm(ref))}
         best = min(row["fused"], key=lambda r: r["s"])
         print(f"T={T:>3} experts {active:5.1f} floor {row['floor_s'] * 1e6:6.1f} us | unfused "
               f"{row['unfused']['s'] * 1e6:6.1f} us ({100 * row['unfused']['frac_copy_bw']:.0f}%) | fused "
               + " ".join(f"{r['gate_up']}/{r['down']}:{r['s'] * 1e6:.1f}" for r in row["fused"])
               + f" | best {best['gate_up']}/{best['down']} {best['s'] * 1e6:.1f} us "
-              f"({100 * best['frac_copy_bw']:.0f}%), rel {best['rel_vs_unfused']:.1e}", flush=True)
+              f"({100 * best['frac_copy_bw']:.0f}%), rel {best['rel_vs_unfused']:.1e} | gemv "
+              f"{row['gemv']['s'] * 1e6:.1f} us ({100 * row['gemv']['frac_copy_bw']:.0f}%), "
+              f"rel {row['gemv']['rel_vs_unfused']:.1e}", flush=True)
         rows.append(row)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

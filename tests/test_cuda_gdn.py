@@ -454,12 +454,17 @@ def moe_ops():
 
 
 def _moe_variant(monkeypatch, variant):
-    """Force the mma tiling: "m1" (16-row tiles), "m4" (64-row tiles) or "auto"."""
+    """Force the expert GEMMs: "m1" (16-row tensor-core tiles), "m4" (64-row tiles), "gemv" (the
+    CUDA-core GEMVs of single-token steps, for any T) or "auto"."""
     from metrale.backends import cuda_gdn
+    if variant in ("m1", "m4"):
+        monkeypatch.setattr(cuda_gdn, "MOE_GEMV_MAX_TOKENS", 0)
     if variant == "m1":
         monkeypatch.setattr(cuda_gdn, "MOE_MMA_M4_MIN_ROWS", 1 << 30)
     elif variant == "m4":
         monkeypatch.setattr(cuda_gdn, "MOE_MMA_M4_MIN_ROWS", 0)
+    elif variant == "gemv":
+        monkeypatch.setattr(cuda_gdn, "MOE_GEMV_MAX_TOKENS", 1 << 30)
 
 
 def _spy_kernels(monkeypatch, ops):
@@ -484,7 +489,7 @@ def _check_moe_mma(moe_ops, cpu, x, router_w, gate_up, down, top_k, renorm, ref_
     args = (mma.asarray(x), mma.asarray(router_w), gate_up, down)
     names = _spy_kernels(monkeypatch, mma)
     got = mma.to_numpy(mma.moe(*args, top_k, renorm)).astype(np.float32)
-    assert any(n.startswith("moe_mma_gate_up_") for n in names), names
+    assert any(n.startswith(("moe_mma_gate_up_", "moe_gemv_gate_up")) for n in names), names
     if expect_kernel:
         assert any(n.startswith(expect_kernel) for n in names), names
     base = simt.to_numpy(simt.moe(*args, top_k, renorm)).astype(np.float32)
@@ -504,12 +509,13 @@ MOE_TS = [1, 8, 64, 300]
 MOE_EK = [(8, 2), (8, 8), (256, 2), (256, 8)]
 
 
-@pytest.mark.parametrize("variant", ["auto", "m1", "m4"])
+@pytest.mark.parametrize("variant", ["auto", "m1", "m4", "gemv"])
 @pytest.mark.parametrize("E,top_k", MOE_EK)
 @pytest.mark.parametrize("T", MOE_TS)
 def test_moe_mma_small(moe_ops, cpu, monkeypatch, T, E, top_k, variant):
     """H, I multiples of 8 but not of the tiles (136 = 2*64 + 8: a partial 64-wide k-block;
-    I = 72: a partial n-block), every variant, both routing densities."""
+    I = 72: a partial n-block), every variant (auto: the GEMVs at T = 1), both routing
+    densities. The GEMVs at T > 1 re-read experts pairs share: slower, same result."""
     _moe_variant(monkeypatch, variant)
     ops = moe_ops["mma"]
     rng = np.random.default_rng(20 + T + E + top_k)
@@ -519,7 +525,8 @@ def test_moe_mma_small(moe_ops, cpu, monkeypatch, T, E, top_k, variant):
     gate_up = _bf(rng.standard_normal((E, 2 * I, H)) / np.sqrt(H))
     down = _bf(rng.standard_normal((E, H, I)) / np.sqrt(I))
     renorm = top_k == 8
-    want = None if variant == "auto" else f"moe_mma_gate_up_{variant}_"
+    want = {"auto": "moe_gemv_gate_up" if T == 1 else None, "gemv": "moe_gemv_gate_up"}.get(
+        variant, f"moe_mma_gate_up_{variant}_")
     _check_moe_mma(moe_ops, cpu, x, router_w, ops.asarray(gate_up), ops.asarray(down), top_k,
                    renorm, gate_up, down, monkeypatch, want)
 
@@ -547,7 +554,7 @@ def test_moe_mma_35b_a3b(moe_ops, cpu, monkeypatch, T, E, top_k):
         cp.get_default_memory_pool().free_all_blocks()
 
 
-@pytest.mark.parametrize("variant", ["m1", "m4"])
+@pytest.mark.parametrize("variant", ["m1", "m4", "gemv"])
 def test_moe_mma_deterministic(moe_ops, monkeypatch, variant):
     _moe_variant(monkeypatch, variant)
     _moe_twice_bit_equal(moe_ops["mma"], 13)

@@ -26,7 +26,10 @@ MOE_BM = 64                      # rows per GEMM tile in moe.cu (CUDA-core "simt
 # (n-tiles of 8 weight rows, stages), down (n-tiles, stages)); 4 warps, 64-wide k-blocks. "m1"
 # (16-row tiles) for decode-like routing, "m4" (64-row tiles) once the experts average
 # MOE_MMA_M4_MIN_ROWS rows or more.
-MOE_MMA = {"m1": (1, (4, 4), (4, 3)), "m4": (4, (4, 2), (4, 2))}
+# m1: perf/moe_tune.py on the H200 (2026-11-30, 35B-A3B layer with its shared expert, T = 1-32):
+# gate_up (4, 3) and down (4, 2) within 2 % of the best of 11 tilings at every T; the old
+# (4, 4) gate_up (96 KB, two CTAs per SM) ran the 9 experts of T = 1 in two waves (+10 %).
+MOE_MMA = {"m1": (1, (4, 3), (4, 2)), "m4": (4, (4, 2), (4, 2))}
 MOE_MMA_WARPS = 4
 MOE_MMA_M4_MIN_ROWS = 32
 MOE_IMPLS = ("simt", "mma")
@@ -35,6 +38,11 @@ MOE_IMPLS = ("simt", "mma")
 # with the 12 KB of static shared memory)
 MOE_PLAN_MAX_PAIRS = 1024
 MOE_PLAN_ROUTE_SMEM = 30 * 1024
+# steps of at most this many tokens run their expert GEMMs as CUDA-core GEMVs over the pairs
+# (moe_gemv_*, bf16, moe_impl "mma"): at T = 1 every pair has its own expert, and 576-1152 small
+# CTAs balance where the tensor-core tiles left 2-3 CTAs of 128 KB per SM (perf/moe_tune.py)
+MOE_GEMV_MAX_TOKENS = 1
+MOE_GEMV_ROWS = 4                # must match GV_ROWS in moe.cu
 GDN_HEAD_DIMS = {(16, 16), (32, 32), (64, 64), (128, 128), (64, 128), (128, 64)}
 SMEM_LIMIT = 232448              # H100/H200 max dynamic shared memory per block
 
@@ -324,7 +332,8 @@ def moe(ops, x, router_w, gate_up, down, top_k, renormalize, shared=False):
     experts' SiLU MLPs. x [T, H], router_w [E + S, H], gate_up [E + S, 2I, H], down [E + S, H, I]
     with S = 1 when `shared`: the last expert is a shared expert every token takes with weight
     sigmoid(x . router_w[E]) (see kernels_cuda/moe.cu). Routing of steps of at most
-    MOE_PLAN_MAX_PAIRS pairs (decode) in one launch (moe_plan), larger ones in four.
+    MOE_PLAN_MAX_PAIRS pairs (decode) in one launch (moe_plan), larger ones in four. Steps of
+    at most MOE_GEMV_MAX_TOKENS tokens: expert GEMVs on CUDA cores (moe_gemv_*, bf16 "mma").
     Expert GEMMs: ops.moe_impl "simt" (CUDA-core 64x64 tiles) or "mma" (tensor cores, bf16;
     16-row tiles, or 64-row tiles once P >= MOE_MMA_M4_MIN_ROWS * E; see kernels_cuda/moe.cu)."""
     T, H = x.shape
@@ -365,18 +374,18 @@ def moe(ops, x, router_w, gate_up, down, top_k, renormalize, shared=False):
     wts = cp.empty(P, dtype=cp.float32)
     sfx = _sfx(x)
     if P <= MOE_PLAN_MAX_PAIRS:
-        ints = cp.empty((Et + 1) + 2 * max_tiles + 2 * P, dtype=cp.int32)
+        ints = cp.empty((Et + 1) + 2 * max_tiles + 3 * P, dtype=cp.int32)
         offsets = ints[:Et + 1]
         tile_expert = ints[Et + 1:Et + 1 + max_tiles]
         tile_row0 = ints[Et + 1 + max_tiles:Et + 1 + 2 * max_tiles]
-        sorted_pair = ints[Et + 1 + 2 * max_tiles:Et + 1 + 2 * max_tiles + P]
-        pair_pos = ints[Et + 1 + 2 * max_tiles + P:]
+        rest = ints[Et + 1 + 2 * max_tiles:]
+        sorted_pair, pair_pos, ids = rest[:P], rest[P:2 * P], rest[2 * P:]
         nwr = max(1, min(32, T, MOE_PLAN_ROUTE_SMEM // (4 * E)))
         _kernel(ops, "moe.cu", f"moe_plan_{_sfx(logits)}")(
             (1,), (1024,),
             (logits, np.int32(T), np.int32(E), np.int32(top_k), np.int32(bool(renormalize)),
              np.int32(S), np.int32(nwr), np.int32(max_tiles), np.int32(bm), wts, offsets,
-             tile_expert, tile_row0, sorted_pair, pair_pos), shared_mem=4 * (nwr * E + P))
+             tile_expert, tile_row0, sorted_pair, pair_pos, ids), shared_mem=4 * (nwr * E + P))
     else:
         ints = cp.zeros(2 * Et + (Et + 1) + 2 * max_tiles + 2 * P + P, dtype=cp.int32)
         counts, fill = ints[:Et], ints[Et:2 * Et]
@@ -400,6 +409,18 @@ def moe(ops, x, router_w, gate_up, down, top_k, renormalize, shared=False):
         _kernel(ops, "moe.cu", "moe_scatter")(
             ((P + 255) // 256,), (256,), (ids, np.int32(P), offsets, fill, sorted_pair, pair_pos))
     act = _empty(ops, (P, I), x.dtype)
+    rows = MOE_GEMV_ROWS
+    if use_mma and T <= MOE_GEMV_MAX_TOKENS and I % (rows // 2) == 0 and H % rows == 0:
+        y = _empty(ops, (P, H), x.dtype)
+        _kernel(ops, "moe.cu", "moe_gemv_gate_up")(
+            (-(-P * I // (rows // 2) // 4),), (128,),
+            (x, ids, sorted_pair, np.int32(kk), gate_up, np.int32(I), np.int32(H), np.int32(P), act))
+        _kernel(ops, "moe.cu", "moe_gemv_down")(
+            (-(-P * H // rows // 4),), (128,),
+            (act, ids, sorted_pair, down, np.int32(H), np.int32(I), np.int32(P), y))
+        _kernel(ops, "moe.cu", f"moe_combine_{sfx}")(
+            (T, (H + 255) // 256), (256,), (y, pair_pos, wts, np.int32(kk), np.int32(H), out))
+        return out
     if use_mma:
         y = _empty(ops, (P, H), x.dtype)
         for name, ntw, stages, gated, n_out, k_in, a, sp, w, dst in (
