@@ -527,7 +527,7 @@ __device__ __forceinline__ void moe_plan(const T* __restrict__ logits, int T_, i
     }
 }
 
-// -- decode expert GEMVs (T = 1: every pair its own expert): CUDA cores, weights streamed -----
+// -- decode expert GEMVs (T <= 4, MOE_GEMV_MAX_TOKENS): CUDA cores, weights streamed ----------
 //
 // moe_gemv_gate_up: act [P, I] (sorted pair order pos) = silu(Wg x) * (Wu x) with
 //   Wg|Wu = gate_up[e] [2I, H], e = ids[sorted_pair[pos]], x = x[sorted_pair[pos] / kk];

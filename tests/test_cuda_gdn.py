@@ -514,8 +514,8 @@ MOE_EK = [(8, 2), (8, 8), (256, 2), (256, 8)]
 @pytest.mark.parametrize("T", MOE_TS)
 def test_moe_mma_small(moe_ops, cpu, monkeypatch, T, E, top_k, variant):
     """H, I multiples of 8 but not of the tiles (136 = 2*64 + 8: a partial 64-wide k-block;
-    I = 72: a partial n-block), every variant (auto: the GEMVs at T = 1), both routing
-    densities. The GEMVs at T > 1 re-read experts pairs share: slower, same result."""
+    I = 72: a partial n-block), every variant (auto: the GEMVs at T <= 4), both routing
+    densities. The GEMVs re-read an expert once per pair that takes it: slower at large T, same result."""
     _moe_variant(monkeypatch, variant)
     ops = moe_ops["mma"]
     rng = np.random.default_rng(20 + T + E + top_k)
@@ -525,7 +525,7 @@ def test_moe_mma_small(moe_ops, cpu, monkeypatch, T, E, top_k, variant):
     gate_up = _bf(rng.standard_normal((E, 2 * I, H)) / np.sqrt(H))
     down = _bf(rng.standard_normal((E, H, I)) / np.sqrt(I))
     renorm = top_k == 8
-    want = {"auto": "moe_gemv_gate_up" if T == 1 else None, "gemv": "moe_gemv_gate_up"}.get(
+    want = {"auto": "moe_gemv_gate_up" if T <= 4 else None, "gemv": "moe_gemv_gate_up"}.get(
         variant, f"moe_mma_gate_up_{variant}_")
     _check_moe_mma(moe_ops, cpu, x, router_w, ops.asarray(gate_up), ops.asarray(down), top_k,
                    renorm, gate_up, down, monkeypatch, want)

@@ -27,7 +27,7 @@ MOE_BM = 64                      # rows per GEMM tile in moe.cu (CUDA-core "simt
 # (16-row tiles) for decode-like routing, "m4" (64-row tiles) once the experts average
 # MOE_MMA_M4_MIN_ROWS rows or more.
 # m1: perf/moe_tune.py on the H200 (2026-11-30, 35B-A3B layer with its shared expert, T = 1-32):
-# gate_up (4, 3) and down (4, 2) within 2 % of the best of 11 tilings at every T; the old
+# gate_up (4, 3) and down (4, 2) within 1 % of the best of 11 tilings at every T; the old
 # (4, 4) gate_up (96 KB, two CTAs per SM) ran the 9 experts of T = 1 in two waves (+10 %).
 MOE_MMA = {"m1": (1, (4, 3), (4, 2)), "m4": (4, (4, 2), (4, 2))}
 MOE_MMA_WARPS = 4
@@ -39,9 +39,11 @@ MOE_IMPLS = ("simt", "mma")
 MOE_PLAN_MAX_PAIRS = 1024
 MOE_PLAN_ROUTE_SMEM = 30 * 1024
 # steps of at most this many tokens run their expert GEMMs as CUDA-core GEMVs over the pairs
-# (moe_gemv_*, bf16, moe_impl "mma"): at T = 1 every pair has its own expert, and 576-1152 small
-# CTAs balance where the tensor-core tiles left 2-3 CTAs of 128 KB per SM (perf/moe_tune.py)
-MOE_GEMV_MAX_TOKENS = 1
+# (moe_gemv_*, bf16, moe_impl "mma"): 576-1152 small CTAs balance where the tensor-core tiles
+# left 2-3 CTAs of 128 KB per SM. perf/moe_tune.py, H200, 35B-A3B layer with its shared expert:
+# T = 1 / 2 / 4 / 8 / 16: 30.8 / 43.0 / 66.8 / 113 / 205 us against the best m1 tiling's
+# 34.7 / 49.8 / 73.0 / 115 / 187 (the GEMVs re-read an expert once per pair that takes it)
+MOE_GEMV_MAX_TOKENS = 4
 MOE_GEMV_ROWS = 4                # must match GV_ROWS in moe.cu
 GDN_HEAD_DIMS = {(16, 16), (32, 32), (64, 64), (128, 128), (64, 128), (128, 64)}
 SMEM_LIMIT = 232448              # H100/H200 max dynamic shared memory per block
