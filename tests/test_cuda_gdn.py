@@ -515,7 +515,8 @@ MOE_EK = [(8, 2), (8, 8), (256, 2), (256, 8)]
 def test_moe_mma_small(moe_ops, cpu, monkeypatch, T, E, top_k, variant):
     """H, I multiples of 8 but not of the tiles (136 = 2*64 + 8: a partial 64-wide k-block;
     I = 72: a partial n-block), every variant (auto: the GEMVs at T <= 4), both routing
-    densities. The GEMVs re-read an expert once per pair that takes it: slower at large T, same result."""
+    densities. The GEMVs re-read an expert once per pair that takes it: slower at large T,
+    same result."""
     _moe_variant(monkeypatch, variant)
     ops = moe_ops["mma"]
     rng = np.random.default_rng(20 + T + E + top_k)
