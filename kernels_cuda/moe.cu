@@ -23,7 +23,7 @@
 //   moe_combine_<T> out T [T, H] = sum_j wts[t, j] * y[pair_pos[t*k+j]] (fp32, no atomics).
 //   moe_plan_<T>    route + scan + scatter in one CTA for steps of few pairs (decode), counts in
 //                   shared memory: one launch instead of a memset and three; ids i32 [P] too.
-//   moe_gemv_gate_up / moe_gemv_down  the expert GEMMs of single-token steps on CUDA cores
+//   moe_gemv_gate_up / moe_gemv_down  the expert GEMMs of steps of a few tokens on CUDA cores
 //                   (bf16; see their comment).
 // max_tiles = P/64 + min(E, P) + 1 bounds the tiles of any routing, so every launch has a
 // static shape (CUDA graphs). Requires H % 8 == 0 and I % 8 == 0 (16-byte loads).
@@ -34,8 +34,9 @@
 // Tensor-core twins (CudaOps(moe_impl="mma"), bf16 only; same route/scatter/combine):
 //   moe_scan_tiles  moe_scan with the tile height as an argument (bm = 16 or 64);
 //                   max_tiles = P/bm + min(E, P) + 1.
-//   moe_mma_gate_up_m<MT>_n<NTW>_s<ST>  act [P, I] = silu(x[tok] Wg^T) * (x[tok] Wu^T); grid (ceil(I/BN), max_tiles)
-//   moe_mma_down_m<MT>_n<NTW>_s<ST>     y [P, H] = act down[e]^T;                       grid (ceil(H/BN), max_tiles)
+//   moe_mma_gate_up_m<MT>_n<NTW>_s<ST>  act [P, I] = silu(x[tok] Wg^T) * (x[tok] Wu^T);
+//                                        grid (ceil(I/BN), max_tiles)
+//   moe_mma_down_m<MT>_n<NTW>_s<ST>     y [P, H] = act down[e]^T; grid (ceil(H/BN), max_tiles)
 //   MT = 1: tiles of 16 rows (decode: a few rows per expert); MT = 4: 64 rows (prefill).
 // One CTA = one row tile x BN output columns (NTW n-tiles of 8 weight rows: gated, half gate and
 // half up), 4 warps splitting K: warp w takes the 64-wide k-blocks w, w+4, ... and streams them
