@@ -23,8 +23,8 @@
 //   moe_combine_<T> out T [T, H] = sum_j wts[t, j] * y[pair_pos[t*k+j]] (fp32, no atomics).
 //   moe_plan_<T>    route + scan + scatter in one CTA for steps of few pairs (decode), counts in
 //                   shared memory: one launch instead of a memset and three; ids i32 [P] too.
-//   moe_gemv_gate_up / moe_gemv_down  the expert GEMMs of steps of a few tokens on CUDA cores
-//                   (bf16; see their comment).
+//   moe_gemv_gate_up / moe_gemv_down_combine  the expert GEMMs (and the combine) of steps of a
+//                   few tokens on CUDA cores (bf16; see their comment).
 // max_tiles = P/64 + min(E, P) + 1 bounds the tiles of any routing, so every launch has a
 // static shape (CUDA graphs). Requires H % 8 == 0 and I % 8 == 0 (16-byte loads).
 // Bytes: decode is weight-streaming: (active experts) * 3*H*I*2; FLOPs 6*P*H*I.
@@ -83,16 +83,17 @@ __device__ __forceinline__ void route_token(const T* __restrict__ lg, int E, int
     __syncwarp();
     float picked = 0.f;
     for (int j = 0; j < k; ++j) {
+        // each lane's best untaken expert (the lowest index among equals), then the warp's: the
+        // largest value by __reduce_max_sync over order-preserving keys (probabilities are >= 0:
+        // their bits + 1; taken ones, -2, key 0), the lowest index holding it by __reduce_min_sync
         float best = -1.f;
         int bi = E;
         for (int e = lane; e < E; e += 32)
             if (p[e] > best) { best = p[e]; bi = e; }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ob > best || (ob == best && oi < bi)) { best = ob; bi = oi; }
-        }
+        const unsigned key = best >= 0.f ? __float_as_uint(best) + 1u : 0u;
+        const unsigned kmax = __reduce_max_sync(0xffffffffu, key);
+        bi = __reduce_min_sync(0xffffffffu, key == kmax ? bi : 0x7fffffff);
+        best = __uint_as_float(kmax - 1u);
         const float prob = best / s;
         picked += prob;
         if (lane == 0) {
@@ -532,15 +533,16 @@ __device__ __forceinline__ void moe_plan(const T* __restrict__ logits, int T_, i
 //
 // moe_gemv_gate_up: act [P, I] (sorted pair order pos) = silu(Wg x) * (Wu x) with
 //   Wg|Wu = gate_up[e] [2I, H], e = ids[sorted_pair[pos]], x = x[sorted_pair[pos] / kk];
-// moe_gemv_down: y [P, H] = down[e] [H, I] act[pos]. One warp = GV_ROWS weight rows of one pair
-// (gate_up: GV_ROWS / 2 outputs, their gate and up rows; down: GV_ROWS outputs) over all of k:
+// moe_gemv_down_combine (below): out = the weighted sum of down[e] act[pos] over each token's
+// pairs. One warp = GV_ROWS weight rows of one pair (GV_ROWS / 2 outputs, their gate and up
+// rows) over all of k:
 // lane l reads the 16-byte vectors l, l + 32, ... of every row (512 contiguous bytes per row
 // per warp instruction), GV_U per row per round, all issued before the FMAs (volatile loads);
 // fp32 sums, warp-shuffle reduction, lane 0 stores. Why: at T = 1 the 9 experts of a
 // Qwen3.5-35B-A3B layer are 36 MB of gate_up in 288 tensor-core CTAs of 128 KB (2.2 per SM:
 // the slowest SM's third CTA sets the end); here 576-1152 CTAs of 4 warps balance like the
 // dense GEMV (gemv.cu). A pair re-reads an expert another pair of the step also took (T > 1).
-// Bytes: P x (2I + I) x H x 2 (weights) + P x (H + I) x 2 x 2; FLOPs 6 P H I.
+// Bytes: P x (2I + I) x H x 2 (weights) + (P + T) x H x 2 + 2 P x I x 2; FLOPs 6 P H I.
 constexpr int GV_ROWS = 4, GV_U = 4;
 
 __device__ __forceinline__ uint4 moe_ldg16(const void* p, bool pred) {
@@ -626,24 +628,88 @@ extern "C" __global__ void __launch_bounds__(128, 1) moe_gemv_gate_up(
             act[(long long)pos * I + j0 + r] = __float2bfloat16_rn(mt::silu(acc[r]) * acc[NO + r]);
 }
 
-extern "C" __global__ void __launch_bounds__(128, 1) moe_gemv_down(
-    const __nv_bfloat16* __restrict__ act, const int* __restrict__ ids,
-    const int* __restrict__ sorted_pair, const __nv_bfloat16* __restrict__ down, int H, int I,
-    int P, __nv_bfloat16* __restrict__ y) {
-    const long long wg = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
-    const int per_pos = H / GV_ROWS;                      // H % GV_ROWS == 0
-    const int pos = (int)(wg / per_pos);
-    if (pos >= P) return;
-    const int n0 = (int)(wg % per_pos) * GV_ROWS;
-    const __nv_bfloat16* De = down + (long long)ids[sorted_pair[pos]] * H * I;
-    const __nv_bfloat16* w[GV_ROWS];
+// moe_gemv_down_combine: out [T, H] = sum_j wts[t*kk + j] * (down[e] [H, I] act[pos]) over the
+// kk pairs j of token t, e = ids[t*kk + j], pos = pair_pos[t*kk + j]: the down GEMVs and
+// moe_combine in one pass (no y, no rounding of the per-expert rows to bf16). One warp = DC_ROWS
+// outputs n of one token; DC_J pairs' rows in flight at a time; the weighted sum in each lane in
+// pair order, then one warp reduction (fixed order: deterministic).
+constexpr int DC_ROWS = 2, DC_J = 4, DC_U = 2;
+
+template <int J>
+__device__ __forceinline__ void dc_pairs(const __nv_bfloat16* __restrict__ act,
+                                         const int* __restrict__ ids,
+                                         const int* __restrict__ pair_pos,
+                                         const float* __restrict__ wts, int p0,
+                                         const __nv_bfloat16* __restrict__ down, int H, int I,
+                                         int n0, float (&tot)[DC_ROWS]) {
+    const int lane = threadIdx.x & 31;
+    const __nv_bfloat16* w[J][DC_ROWS];
+    const __nv_bfloat16* xa[J];
+    float wt[J];
 #pragma unroll
-    for (int r = 0; r < GV_ROWS; ++r) w[r] = De + (long long)(n0 + r) * I;
-    float acc[GV_ROWS];
-    moe_warp_rows(w, act + (long long)pos * I, I, acc);
+    for (int j = 0; j < J; ++j) {
+        const int p = p0 + j;
+        const long long e = ids[p];
+        xa[j] = act + (long long)pair_pos[p] * I;
+        wt[j] = wts[p];
+#pragma unroll
+        for (int r = 0; r < DC_ROWS; ++r) w[j][r] = down + (e * H + n0 + r) * I;
+    }
+    float acc[J][DC_ROWS];
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+#pragma unroll
+        for (int r = 0; r < DC_ROWS; ++r) acc[j][r] = 0.f;
+    const int nv = I >> 3;
+    for (int v0 = 0; v0 < nv; v0 += 32 * DC_U) {
+        uint4 wv[J][DC_ROWS][DC_U], xv[J][DC_U];
+#pragma unroll
+        for (int u = 0; u < DC_U; ++u) {
+            const int v = v0 + u * 32 + lane;
+#pragma unroll
+            for (int j = 0; j < J; ++j)
+#pragma unroll
+                for (int r = 0; r < DC_ROWS; ++r) wv[j][r][u] = moe_ldg16(w[j][r] + v * 8, v < nv);
+        }
+#pragma unroll
+        for (int u = 0; u < DC_U; ++u) {
+            const int v = v0 + u * 32 + lane;
+#pragma unroll
+            for (int j = 0; j < J; ++j) xv[j][u] = moe_ldg16(xa[j] + v * 8, v < nv);
+        }
+#pragma unroll
+        for (int u = 0; u < DC_U; ++u)
+#pragma unroll
+            for (int j = 0; j < J; ++j)
+#pragma unroll
+                for (int r = 0; r < DC_ROWS; ++r) acc[j][r] = moe_dot8(wv[j][r][u], xv[j][u], acc[j][r]);
+    }
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+#pragma unroll
+        for (int r = 0; r < DC_ROWS; ++r) tot[r] = fmaf(wt[j], acc[j][r], tot[r]);
+}
+
+extern "C" __global__ void __launch_bounds__(128, 1) moe_gemv_down_combine(
+    const __nv_bfloat16* __restrict__ act, const int* __restrict__ ids,
+    const int* __restrict__ pair_pos, const float* __restrict__ wts, int kk,
+    const __nv_bfloat16* __restrict__ down, int H, int I, int T_, __nv_bfloat16* __restrict__ out) {
+    const long long wg = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
+    const int per_tok = H / DC_ROWS;                      // H % DC_ROWS == 0
+    const int t = (int)(wg / per_tok);
+    if (t >= T_) return;
+    const int n0 = (int)(wg % per_tok) * DC_ROWS;
+    float tot[DC_ROWS];
+#pragma unroll
+    for (int r = 0; r < DC_ROWS; ++r) tot[r] = 0.f;
+    int j = 0;
+    for (; j + DC_J <= kk; j += DC_J) dc_pairs<DC_J>(act, ids, pair_pos, wts, t * kk + j, down, H, I, n0, tot);
+    for (; j < kk; ++j) dc_pairs<1>(act, ids, pair_pos, wts, t * kk + j, down, H, I, n0, tot);
+#pragma unroll
+    for (int r = 0; r < DC_ROWS; ++r) tot[r] = mt::warp_sum(tot[r]);
     if ((threadIdx.x & 31) == 0)
 #pragma unroll
-        for (int r = 0; r < GV_ROWS; ++r) y[(long long)pos * H + n0 + r] = __float2bfloat16_rn(acc[r]);
+        for (int r = 0; r < DC_ROWS; ++r) out[(long long)t * H + n0 + r] = __float2bfloat16_rn(tot[r]);
 }
 
 #define MOE_INST(T, SUF)                                                                          \

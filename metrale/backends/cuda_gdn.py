@@ -45,6 +45,7 @@ MOE_PLAN_ROUTE_SMEM = 30 * 1024
 # 34.7 / 49.8 / 73.0 / 115 / 187 (the GEMVs re-read an expert once per pair that takes it)
 MOE_GEMV_MAX_TOKENS = 4
 MOE_GEMV_ROWS = 4                # must match GV_ROWS in moe.cu
+MOE_DC_ROWS = 2                  # must match DC_ROWS in moe.cu (moe_gemv_down_combine)
 GDN_HEAD_DIMS = {(16, 16), (32, 32), (64, 64), (128, 128), (64, 128), (128, 64)}
 SMEM_LIMIT = 232448              # H100/H200 max dynamic shared memory per block
 
@@ -335,7 +336,8 @@ def moe(ops, x, router_w, gate_up, down, top_k, renormalize, shared=False):
     with S = 1 when `shared`: the last expert is a shared expert every token takes with weight
     sigmoid(x . router_w[E]) (see kernels_cuda/moe.cu). Routing of steps of at most
     MOE_PLAN_MAX_PAIRS pairs (decode) in one launch (moe_plan), larger ones in four. Steps of
-    at most MOE_GEMV_MAX_TOKENS tokens: expert GEMVs on CUDA cores (moe_gemv_*, bf16 "mma").
+    at most MOE_GEMV_MAX_TOKENS tokens: expert GEMVs on CUDA cores, the down one with the
+    combine (moe_gemv_*, bf16 "mma").
     Expert GEMMs: ops.moe_impl "simt" (CUDA-core 64x64 tiles) or "mma" (tensor cores, bf16;
     16-row tiles, or 64-row tiles once P >= MOE_MMA_M4_MIN_ROWS * E; see kernels_cuda/moe.cu)."""
     T, H = x.shape
@@ -412,16 +414,13 @@ def moe(ops, x, router_w, gate_up, down, top_k, renormalize, shared=False):
             ((P + 255) // 256,), (256,), (ids, np.int32(P), offsets, fill, sorted_pair, pair_pos))
     act = _empty(ops, (P, I), x.dtype)
     rows = MOE_GEMV_ROWS
-    if use_mma and T <= MOE_GEMV_MAX_TOKENS and I % (rows // 2) == 0 and H % rows == 0:
-        y = _empty(ops, (P, H), x.dtype)
+    if use_mma and T <= MOE_GEMV_MAX_TOKENS and I % (rows // 2) == 0 and H % MOE_DC_ROWS == 0:
         _kernel(ops, "moe.cu", "moe_gemv_gate_up")(
             (-(-P * I // (rows // 2) // 4),), (128,),
             (x, ids, sorted_pair, np.int32(kk), gate_up, np.int32(I), np.int32(H), np.int32(P), act))
-        _kernel(ops, "moe.cu", "moe_gemv_down")(
-            (-(-P * H // rows // 4),), (128,),
-            (act, ids, sorted_pair, down, np.int32(H), np.int32(I), np.int32(P), y))
-        _kernel(ops, "moe.cu", f"moe_combine_{sfx}")(
-            (T, (H + 255) // 256), (256,), (y, pair_pos, wts, np.int32(kk), np.int32(H), out))
+        _kernel(ops, "moe.cu", "moe_gemv_down_combine")(
+            (-(-T * H // MOE_DC_ROWS // 4),), (128,),
+            (act, ids, pair_pos, wts, np.int32(kk), down, np.int32(H), np.int32(I), np.int32(T), out))
         return out
     if use_mma:
         y = _empty(ops, (P, H), x.dtype)
