@@ -36,6 +36,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="perf/results")
     ap.add_argument("--ts", default="1,2,4,8,16,32")
+    ap.add_argument("--no-sweep", action="store_true", help="only the engine's m1 tiling, not the others")
     args = ap.parse_args()
     ops = CudaOps(moe_impl="mma")
     bw = bench_ceilings(ops)["copy_bytes_per_s"]
@@ -78,7 +79,8 @@ def main():
         row["unfused"] = {"s": t, "frac_copy_bw": nbytes / t / bw}
         row["fused"] = []
         gu0, dn0 = default["m1"][1], default["m1"][2]          # the engine's tiling first
-        cands = [(gu0, dn0)] + [(g, dn0) for g in GU if g != gu0] + [(gu0, d) for d in DN if d != dn0]
+        cands = [(gu0, dn0)] + ([] if args.no_sweep else
+                                [(g, dn0) for g in GU if g != gu0] + [(gu0, d) for d in DN if d != dn0])
         for gu, dn in cands:
             cuda_gdn.MOE_MMA["m1"] = (1, gu, dn)
             gemv_keep, cuda_gdn.MOE_GEMV_MAX_TOKENS = cuda_gdn.MOE_GEMV_MAX_TOKENS, 0
