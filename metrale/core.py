@@ -114,8 +114,8 @@ class EngineCore:
                               spare_block=num_blocks, spare_slot=num_slots)
         graphs.capture()
         self.runner.graphs = graphs
-        log.info("captured %d decode graphs (batch buckets %s)", len(graphs.graphs),
-                 sorted(graphs.graphs))
+        log.info("captured %d decode graphs (batch buckets %s); graph memory pool %.1f MiB",
+                 len(graphs.graphs), sorted(graphs.graphs), graphs.pool.total_bytes() / 2**20)
         if cfg.prefill_graphs == "on":
             self._setup_step_graphs(graphs, num_blocks, num_slots)
 
@@ -147,8 +147,9 @@ class EngineCore:
                         "eagerly (lower --max-prefill-tokens or --gpu-memory-utilization)", oom)
             return
         self.runner.step_graphs = steps
-        log.info("captured %d prefill graphs (token buckets %s), %.2f s", len(steps.graphs),
-                 sorted(steps.graphs), time.perf_counter() - t0)
+        log.info("captured %d prefill graphs (token buckets %s), %.2f s; graph memory pool now "
+                 "%.1f MiB", len(steps.graphs), sorted(steps.graphs), time.perf_counter() - t0,
+                 decode_graphs.pool.total_bytes() / 2**20)
 
     def _new_scheduler(self) -> Scheduler:
         return Scheduler(self.config, num_kv_blocks=self._num_blocks,
