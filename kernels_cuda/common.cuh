@@ -69,4 +69,32 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 __device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
+// 16 bytes through the read-only path, zeros when !pred (predicated, so nothing out of bounds is
+// touched). Volatile: NVVM keeps these loads in program order, ahead of the FMAs that use them
+// (a kernel's __launch_bounds__(.., 1) keeps ptxas from sinking them: see gemv.cu). STREAM:
+// data read once (weights), kept out of L1 (L1::no_allocate).
+#define MT_LDG16_IF(INSTR)                                                    \
+    asm volatile(                                                             \
+        "{\n"                                                                 \
+        "  .reg .pred p;\n"                                                   \
+        "  setp.ne.b32 p, %5, 0;\n"                                           \
+        "  mov.b32 %0, 0;\n"                                                  \
+        "  mov.b32 %1, 0;\n"                                                  \
+        "  mov.b32 %2, 0;\n"                                                  \
+        "  mov.b32 %3, 0;\n"                                                  \
+        "  @p " INSTR " {%0, %1, %2, %3}, [%4];\n"                            \
+        "}\n"                                                                 \
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)                          \
+        : "l"(p), "r"(static_cast<int>(pred)))
+template <bool STREAM = false>
+__device__ __forceinline__ uint4 ldg16_if(const void* p, bool pred) {
+    uint4 v;
+    if (STREAM)
+        MT_LDG16_IF("ld.global.nc.L1::no_allocate.v4.u32");
+    else
+        MT_LDG16_IF("ld.global.nc.v4.u32");
+    return v;
+}
+#undef MT_LDG16_IF
+
 }  // namespace mt

@@ -68,25 +68,8 @@ __device__ __forceinline__ float load_f(const __half* p) { return __half2float(*
 __device__ __forceinline__ void store_f(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 __device__ __forceinline__ void store_f(__half* p, float v) { *p = __float2half_rn(v); }
 
-// 16 bytes through the read-only path, zeros when !pred (predicated, so nothing past k or past
-// the end of a row is touched). Volatile: NVVM keeps the loads in program order, ahead of the
-// FMAs (ptxas's placement is what __launch_bounds__(.., 1) below is for).
-__device__ __forceinline__ uint4 ldg16_if(const uint4* p, bool pred) {
-    uint4 v;
-    asm volatile(
-        "{\n"
-        "  .reg .pred p;\n"
-        "  setp.ne.b32 p, %5, 0;\n"
-        "  mov.b32 %0, 0;\n"
-        "  mov.b32 %1, 0;\n"
-        "  mov.b32 %2, 0;\n"
-        "  mov.b32 %3, 0;\n"
-        "  @p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-        "}\n"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p), "r"(static_cast<int>(pred)));
-    return v;
-}
+// 16 bytes through the read-only path, zeros when !pred (mt::ldg16_if: volatile, predicated)
+__device__ __forceinline__ uint4 ldg16_if(const uint4* p, bool pred) { return mt::ldg16_if(p, pred); }
 
 // acc + sum of the 8 products of two 16-byte vectors of E (element 0 first)
 template <typename E>

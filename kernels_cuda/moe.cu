@@ -546,20 +546,7 @@ __device__ __forceinline__ void moe_plan(const T* __restrict__ logits, int T_, i
 constexpr int GV_ROWS = 4, GV_U = 4;
 
 __device__ __forceinline__ uint4 moe_ldg16(const void* p, bool pred) {
-    uint4 v;
-    asm volatile(
-        "{\n"
-        "  .reg .pred p;\n"
-        "  setp.ne.b32 p, %5, 0;\n"
-        "  mov.b32 %0, 0;\n"
-        "  mov.b32 %1, 0;\n"
-        "  mov.b32 %2, 0;\n"
-        "  mov.b32 %3, 0;\n"
-        "  @p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-        "}\n"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p), "r"(static_cast<int>(pred)));
-    return v;
+    return mt::ldg16_if<true>(p, pred);               // weights and activations read once
 }
 
 __device__ __forceinline__ float moe_dot8(const uint4& a, const uint4& b, float acc) {

@@ -69,43 +69,34 @@ def main():
             it["i"] += 1
             return ops.moe(x, router, gate_up, down, K, True, shared=True)
 
-        keep, cuda_gdn.MOE_GEMV_MAX_TOKENS = cuda_gdn.MOE_GEMV_MAX_TOKENS, 0   # the tensor-core tiles
-        try:
-            t = time_graph(unfused, nsets, 20)
-            it["i"] = 0
-            ref = cupy.asnumpy(unfused().astype(cupy.float32)).astype(np.float64)   # on xs[0]
-        finally:
-            cuda_gdn.MOE_GEMV_MAX_TOKENS = keep
+        def run(fn, m1=None, gemv_max=0):
+            """fn's result on xs[0] and its graph time, with the decode tiling `m1` (the engine's
+            when None) and the expert GEMVs for steps of up to `gemv_max` tokens (0: none)."""
+            keep = cuda_gdn.MOE_GEMV_MAX_TOKENS
+            cuda_gdn.MOE_GEMV_MAX_TOKENS = gemv_max
+            if m1 is not None:
+                cuda_gdn.MOE_MMA["m1"] = (1, *m1)
+            try:
+                it["i"] = 0
+                got = cupy.asnumpy(fn().astype(cupy.float32)).astype(np.float64)
+                it["i"] = 0
+                return got, time_graph(fn, nsets, 20)
+            finally:
+                cuda_gdn.MOE_MMA.update(default)
+                cuda_gdn.MOE_GEMV_MAX_TOKENS = keep
+
+        def record(got, t, **kw):
+            return dict(kw, s=t, frac_copy_bw=nbytes / t / bw,
+                        rel_vs_unfused=float(np.linalg.norm(got - ref) / np.linalg.norm(ref)))
+
+        ref, t = run(unfused)                                  # the tensor-core tiles, as before
         row["unfused"] = {"s": t, "frac_copy_bw": nbytes / t / bw}
-        row["fused"] = []
         gu0, dn0 = default["m1"][1], default["m1"][2]          # the engine's tiling first
         cands = [(gu0, dn0)] + ([] if args.no_sweep else
                                 [(g, dn0) for g in GU if g != gu0] + [(gu0, d) for d in DN if d != dn0])
-        for gu, dn in cands:
-            cuda_gdn.MOE_MMA["m1"] = (1, gu, dn)
-            gemv_keep, cuda_gdn.MOE_GEMV_MAX_TOKENS = cuda_gdn.MOE_GEMV_MAX_TOKENS, 0
-            try:
-                it["i"] = 0
-                got = cupy.asnumpy(fused().astype(cupy.float32)).astype(np.float64)
-                it["i"] = 0
-                t = time_graph(fused, nsets, 20)
-            finally:
-                cuda_gdn.MOE_MMA.update(default)
-                cuda_gdn.MOE_GEMV_MAX_TOKENS = gemv_keep
-            err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-            row["fused"].append({"gate_up": gu, "down": dn, "s": t, "frac_copy_bw": nbytes / t / bw,
-                                 "rel_vs_unfused": err})
-        # the CUDA-core GEMVs of single-token steps (moe_gemv_*), at every T
-        cuda_gdn.MOE_GEMV_MAX_TOKENS, keep = 1 << 30, cuda_gdn.MOE_GEMV_MAX_TOKENS
-        try:
-            it["i"] = 0
-            got = cupy.asnumpy(fused().astype(cupy.float32)).astype(np.float64)
-            it["i"] = 0
-            t = time_graph(fused, nsets, 20)
-        finally:
-            cuda_gdn.MOE_GEMV_MAX_TOKENS = keep
-        row["gemv"] = {"s": t, "frac_copy_bw": nbytes / t / bw,
-                       "rel_vs_unfused": float(np.linalg.norm(got - ref) / np.linalg.norm(ref))}
+        row["fused"] = [record(*run(fused, (gu, dn)), gate_up=gu, down=dn) for gu, dn in cands]
+        # the CUDA-core GEMVs of steps of a few tokens (moe_gemv_*), at every T
+        row["gemv"] = record(*run(fused, gemv_max=1 << 30))
         best = min(row["fused"], key=lambda r: r["s"])
         print(f"T={T:>3} experts {active:5.1f} floor {row['floor_s'] * 1e6:6.1f} us | unfused "
               f"{row['unfused']['s'] * 1e6:6.1f} us ({100 * row['unfused']['frac_copy_bw']:.0f}%) | fused "
