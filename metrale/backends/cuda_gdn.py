@@ -416,7 +416,10 @@ def moe(ops, x, router_w, gate_up, down, top_k, renormalize, shared=False):
             ((P + 255) // 256,), (256,), (ids, np.int32(P), offsets, fill, sorted_pair, pair_pos))
     act = _empty(ops, (P, I), x.dtype)
     rows = MOE_GEMV_ROWS
-    if use_mma and T <= MOE_GEMV_MAX_TOKENS and I % (rows // 2) == 0 and H % MOE_DC_ROWS == 0:
+    # the GEMVs read an expert once per pair that takes it: past one token, only while the pairs
+    # are few next to the experts (duplicates rare; measured at E = 256, k = 8)
+    few = T == 1 or T * top_k * 4 <= E
+    if use_mma and T <= MOE_GEMV_MAX_TOKENS and few and I % (rows // 2) == 0 and H % MOE_DC_ROWS == 0:
         _kernel(ops, "moe.cu", "moe_gemv_gate_up")(
             (-(-P * I // (rows // 2) // 4),), (128,),
             (x, ids, sorted_pair, np.int32(kk), gate_up, np.int32(I), np.int32(H), np.int32(P), act))
