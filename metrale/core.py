@@ -88,8 +88,8 @@ class EngineCore:
         self.num_steps = 0
         if self.ops.name == "cuda":
             self._setup_cuda(num_blocks, num_slots)
-        elif self.config.prefill_graphs == "on":
-            log.info("--prefill-graphs: CUDA graphs need the CUDA backend; ignored on %s", self.ops.name)
+        elif self.config.prefill_graphs == "on":     # the default: not news on the CPU
+            log.debug("--prefill-graphs: CUDA graphs need the CUDA backend; ignored on %s", self.ops.name)
         if self.config.warmup == "on" or (self.config.warmup == "auto" and self.ops.name == "cuda"):
             self._warm_up()
         log.info("engine ready: %s on %s; KV pool %d blocks x %d tokens (%.1f MiB), "
