@@ -292,6 +292,7 @@ class StepInputs:
                  pad_cap: int | None = None):
         self.tokens, self.rows, self.width, self.tiles = tokens, rows, width, tuple(sorted(tiles))
         self.pad_cap = pad_cap or tokens        # padding tokens per padding row (one table's span)
+        self._pad_positions = np.arange(tokens, dtype=np.int32) % self.pad_cap
         self.layout = _step_layout(tokens, rows, width, self.tiles)
         self.size = _layout_size(self.layout)
         self.host_view = _checked_host(host, self.size, tokens)
@@ -322,7 +323,7 @@ class StepInputs:
         lens = np.full(npad, cap, np.int32)
         lens[-1] = pad - cap * (npad - 1)
         v["positions"][:t] = pos
-        v["positions"][t:] = np.arange(pad, dtype=np.int32) % cap
+        v["positions"][t:] = self._pad_positions[:pad]
         q = v["query_start_loc"]
         q[: b + 1] = qsl
         q[b + 1: b + 1 + npad] = t + np.cumsum(lens)
