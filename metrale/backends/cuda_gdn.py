@@ -379,13 +379,18 @@ def moe(ops, x, router_w, gate_up, down, top_k, renormalize, shared=False):
     max_tiles = P // bm + min(Et, P) + 1
     wts = cp.empty(P, dtype=cp.float32)
     sfx = _sfx(x)
-    if P <= MOE_PLAN_MAX_PAIRS:
-        ints = cp.empty((Et + 1) + 2 * max_tiles + 3 * P, dtype=cp.int32)
-        offsets = ints[:Et + 1]
-        tile_expert = ints[Et + 1:Et + 1 + max_tiles]
-        tile_row0 = ints[Et + 1 + max_tiles:Et + 1 + 2 * max_tiles]
-        rest = ints[Et + 1 + 2 * max_tiles:]
-        sorted_pair, pair_pos, ids = rest[:P], rest[P:2 * P], rest[2 * P:]
+    # int32 scratch: [counts, fill (E + S each: the four-launch routing's atomics, zeroed)],
+    # offsets [E + S + 1], tile_expert, tile_row0 [max_tiles], sorted_pair, pair_pos, ids [P]
+    plan = P <= MOE_PLAN_MAX_PAIRS
+    counters = 0 if plan else 2 * Et
+    ints = (cp.empty if plan else cp.zeros)(counters + (Et + 1) + 2 * max_tiles + 3 * P,
+                                             dtype=cp.int32)
+    offsets = ints[counters:counters + Et + 1]
+    meta = ints[counters + Et + 1:]
+    tile_expert, tile_row0 = meta[:max_tiles], meta[max_tiles:2 * max_tiles]
+    sorted_pair, pair_pos, ids = (meta[2 * max_tiles + i * P:2 * max_tiles + (i + 1) * P]
+                                  for i in range(3))
+    if plan:
         nwr = max(1, min(32, T, MOE_PLAN_ROUTE_SMEM // (4 * E)))
         _kernel(ops, "moe.cu", f"moe_plan_{_sfx(logits)}")(
             (1,), (1024,),
@@ -393,13 +398,7 @@ def moe(ops, x, router_w, gate_up, down, top_k, renormalize, shared=False):
              np.int32(S), np.int32(nwr), np.int32(max_tiles), np.int32(bm), wts, offsets,
              tile_expert, tile_row0, sorted_pair, pair_pos, ids), shared_mem=4 * (nwr * E + P))
     else:
-        ints = cp.zeros(2 * Et + (Et + 1) + 2 * max_tiles + 2 * P + P, dtype=cp.int32)
-        counts, fill = ints[:Et], ints[Et:2 * Et]
-        offsets = ints[2 * Et:3 * Et + 1]
-        tile_expert = ints[3 * Et + 1:3 * Et + 1 + max_tiles]
-        tile_row0 = ints[3 * Et + 1 + max_tiles:3 * Et + 1 + 2 * max_tiles]
-        rest = ints[3 * Et + 1 + 2 * max_tiles:]
-        sorted_pair, pair_pos, ids = rest[:P], rest[P:2 * P], rest[2 * P:3 * P]
+        counts, fill = ints[:Et], ints[Et:counters]
         _kernel(ops, "moe.cu", f"moe_route_{_sfx(logits)}")(
             ((T + 3) // 4,), (128,),
             (logits, np.int32(T), np.int32(E), np.int32(top_k), np.int32(bool(renormalize)),
