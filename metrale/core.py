@@ -140,7 +140,7 @@ class EngineCore:
             steps.capture()
         except self.ops.cp.cuda.memory.OutOfMemoryError as e:
             oom = str(e)
-        if oom is not None:
+        if oom is not None:     # outside the except: its traceback no longer pins the partial capture
             steps = None
             decode_graphs.pool.free_all_blocks()     # what the partial capture held, back to the device
             log.warning("--prefill-graphs: out of memory while capturing (%s); prefill steps run "
