@@ -915,7 +915,7 @@ __device__ void decode_mma_impl(const bf16* __restrict__ q, long long qs_t, long
 extern "C" __global__ void decode_reduce(const float* __restrict__ part_o, const float* __restrict__ part_m,
                                          const float* __restrict__ part_l, const int* __restrict__ seq_lens,
                                          const int* __restrict__ qsl, bf16* __restrict__ out, int Hq, int D,
-                                         int part_tokens, int nparts) {
+                                         int part_tokens, int nparts) { mt::pdl_enter();
     const int b = blockIdx.x, h = blockIdx.y;
     const int seq_len = seq_lens[b];
     const int np = min(nparts, (seq_len + part_tokens - 1) / part_tokens);
@@ -938,7 +938,7 @@ extern "C" __global__ void decode_reduce(const float* __restrict__ part_o, const
         const bf16* q, long long qs_t, long long qs_h, const bf16* k_cache, const bf16* v_cache,    \
         const int* block_tables, int bt_stride, const int* seq_lens, const int* qsl, bf16* out,      \
         float* part_o, float* part_m, float* part_l, int Hk, int G, int gcap, int nchunks,           \
-        int block_size, int part_tokens, int nparts, float scale_log2) {                            \
+        int block_size, int part_tokens, int nparts, float scale_log2) { mt::pdl_enter();           \
         decode_attn_impl<D, BK>(q, qs_t, qs_h, k_cache, v_cache, block_tables, bt_stride, seq_lens, \
                                 qsl, out, part_o, part_m, part_l, Hk, G, gcap, nchunks, block_size,  \
                                 part_tokens, nparts, scale_log2);                                    \
@@ -946,7 +946,7 @@ extern "C" __global__ void decode_reduce(const float* __restrict__ part_o, const
     extern "C" __global__ void __launch_bounds__(256) prefill_attn_d##D(                             \
         const bf16* q, long long qs_t, long long qs_h, const bf16* k_cache, const bf16* v_cache,    \
         const int* block_tables, int bt_stride, const int* seq_lens, const int* qsl,                 \
-        const int* work, bf16* out, int Hk, int G, int BQ, int block_size, float scale_log2) {       \
+        const int* work, bf16* out, int Hk, int G, int BQ, int block_size, float scale_log2) { mt::pdl_enter(); \
         prefill_attn_impl<D, BK>(q, qs_t, qs_h, k_cache, v_cache, block_tables, bt_stride, seq_lens, \
                                  qsl, work, out, Hk, G, BQ, block_size, scale_log2);                 \
     }
@@ -962,7 +962,7 @@ MT_ATTN(256, 32)
     extern "C" __global__ void __launch_bounds__(256, 1) prefill_mma_d##D(                           \
         const bf16* q, long long qs_t, long long qs_h, const bf16* k_cache, const bf16* v_cache,    \
         const int* block_tables, int bt_stride, const int* seq_lens, const int* qsl,                 \
-        const int* work, bf16* out, int Hk, int G, int BQ, int block_size, float scale_log2) {       \
+        const int* work, bf16* out, int Hk, int G, int BQ, int block_size, float scale_log2) { mt::pdl_enter(); \
         prefill_mma_impl<D, BN, 8, QREG>(q, qs_t, qs_h, k_cache, v_cache, block_tables, bt_stride,  \
                                          seq_lens, qsl, work, out, Hk, G, BQ, block_size, scale_log2); \
     }
@@ -971,7 +971,7 @@ MT_ATTN(256, 32)
         const bf16* q, long long qs_t, long long qs_h, const bf16* k_cache, const bf16* v_cache,    \
         const int* block_tables, int bt_stride, const int* seq_lens, const int* qsl, bf16* out,      \
         float* part_o, float* part_m, float* part_l, int Hk, int G, int nchunks, int block_size,     \
-        int part_tokens, int nparts, float scale_log2) {                                             \
+        int part_tokens, int nparts, float scale_log2) { mt::pdl_enter();                            \
         decode_mma_impl<D, NH, STAGES>(q, qs_t, qs_h, k_cache, v_cache, block_tables, bt_stride,     \
                                        seq_lens, qsl, out, part_o, part_m, part_l, Hk, G, nchunks,   \
                                        block_size, part_tokens, nparts, scale_log2);                 \

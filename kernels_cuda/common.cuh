@@ -32,6 +32,36 @@ template <typename T> struct Vec16 {
     union { uint4 u; T v[N]; };
 };
 
+// --- Programmatic dependent launch (sm_90+; no-ops before it and when a grid was launched
+// without the attribute) ------------------------------------------------------------------
+// A kernel that metrale/backends/launch.py launches with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_
+// STREAM_SERIALIZATION may start while the kernel before it in the stream still runs. The rule
+// every kernel here keeps (tests/test_kernels_compile.py checks that each entry point calls one
+// of these first):
+//   * pdl_wait() before the first access to memory another kernel writes or reads (inputs,
+//     outputs, caches, scratch): it returns once the preceding grid has completed and its writes
+//     are visible. Completion is transitive: the preceding grid itself waited in every CTA.
+//   * only data no kernel writes (weights) may be read before it: gemv.cu issues its first
+//     round of weight loads, then waits, so the weight stream starts during the previous
+//     kernel's tail.
+//   * pdl_trigger() lets the next kernel be launched early (its CTAs then wait in pdl_wait()).
+//     It carries no memory ordering, so it may come first.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+// the entry of every kernel with nothing to do before its inputs are ready
+__device__ __forceinline__ void pdl_enter() {
+    pdl_trigger();
+    pdl_wait();
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

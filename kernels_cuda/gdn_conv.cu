@@ -111,7 +111,7 @@ __device__ __forceinline__ void gated_rms_norm(const T* __restrict__ x, const T*
 #define CONV_INST(T, S, SUF)                                                                   \
     extern "C" __global__ void __launch_bounds__(128) gdn_conv4_##SUF(                         \
         const T* x, long long sx, const float* w, S* state, T* out, const int* qsl,            \
-        const int* seq_lens, const int* slots, int B, int C, int seg) {                        \
+        const int* seq_lens, const int* slots, int B, int C, int seg) { mt::pdl_enter();       \
         gdn_conv<T, S, 4>(x, sx, w, state, out, qsl, seq_lens, slots, B, C, seg);              \
     }
 CONV_INST(__nv_bfloat16, __nv_bfloat16, bf16_bf16)
@@ -121,7 +121,7 @@ CONV_INST(float, float, f32_f32)
 #define GRN_INST(T, SUF)                                                                       \
     extern "C" __global__ void __launch_bounds__(256) gated_rms_norm_##SUF(                    \
         const T* x, const T* z, long long zs, int zh, const float* w, T* out, int rows, int D, \
-        float eps) {                                                                           \
+        float eps) { mt::pdl_enter();                                                          \
         gated_rms_norm<T>(x, z, zs, zh, w, out, rows, D, eps);                                 \
     }
 GRN_INST(__nv_bfloat16, bf16)

@@ -468,7 +468,7 @@ __device__ __forceinline__ void gdn_gates(const T* __restrict__ a, const T* __re
 // 16-bit one (gdn_recurrent_128x128_bf16_sf16)
 #define GDN_INST(T, S, NAME, DK, DV)                                                             \
     extern "C" __global__ void __launch_bounds__(RecShape<DK, DV>::NT)                            \
-        gdn_recurrent_##DK##x##DV##_##NAME(GDN_ARGS(T, S)) {                                     \
+        gdn_recurrent_##DK##x##DV##_##NAME(GDN_ARGS(T, S)) { mt::pdl_enter();                    \
         gdn_recurrent<T, DK, DV, false, S>(GDN_PASS);                                            \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(RecShape<DK, DV>::NT)                            \
@@ -476,13 +476,13 @@ __device__ __forceinline__ void gdn_gates(const T* __restrict__ a, const T* __re
             const T* q, const T* k, const T* v, long long sq, long long sk, long long sv,        \
             const T* ga, const T* gb, long long sa, long long sb, const float* A_log,            \
             const float* dt_bias, S* state, T* o, const int* qsl, const int* seq_lens,           \
-            const int* slots, int Hk, int Hv) {                                                  \
+            const int* slots, int Hk, int Hv) { mt::pdl_enter();                                 \
         gdn_recurrent<T, DK, DV, true, S>(q, k, v, sq, sk, sv, nullptr, nullptr, state, o, qsl,  \
                                           seq_lens, slots, Hk, Hv, ga, gb, sa, sb, A_log,        \
                                           dt_bias);                                              \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(CNT, 1)                                          \
-        gdn_chunked_##DK##x##DV##_##NAME(GDN_ARGS(T, S)) {                                       \
+        gdn_chunked_##DK##x##DV##_##NAME(GDN_ARGS(T, S)) { mt::pdl_enter();                      \
         gdn_chunked<T, DK, DV, S>(GDN_PASS);                                                     \
     }
 
@@ -503,7 +503,7 @@ GDN_INST_ALL(__nv_bfloat16, __nv_bfloat16, bf16_sbf16)
 #define GATES_INST(T, SUF)                                                                        \
     extern "C" __global__ void gdn_gates_##SUF(const T* a, const T* b, long long sa, long long sb, \
                                                const float* A_log, const float* dt_bias,          \
-                                               float* g, float* beta, int T_, int Hv) {           \
+                                               float* g, float* beta, int T_, int Hv) { mt::pdl_enter(); \
         gdn_gates<T>(a, b, sa, sb, A_log, dt_bias, g, beta, T_, Hv);                              \
     }
 GATES_INST(__nv_bfloat16, bf16)

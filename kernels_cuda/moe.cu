@@ -470,7 +470,7 @@ __device__ __forceinline__ void moe_scan_impl(const int* counts, int E, int max_
 
 extern "C" __global__ void __launch_bounds__(1024) moe_scan(const int* counts, int E, int max_tiles,
                                                             int* offsets, int* tile_expert,
-                                                            int* tile_row0) {
+                                                            int* tile_row0) { mt::pdl_enter();
     moe_scan_impl(counts, E, max_tiles, BM, offsets, tile_expert, tile_row0);
 }
 
@@ -478,12 +478,12 @@ extern "C" __global__ void __launch_bounds__(1024) moe_scan(const int* counts, i
 extern "C" __global__ void __launch_bounds__(1024) moe_scan_tiles(const int* counts, int E,
                                                                   int max_tiles, int bm,
                                                                   int* offsets, int* tile_expert,
-                                                                  int* tile_row0) {
+                                                                  int* tile_row0) { mt::pdl_enter();
     moe_scan_impl(counts, E, max_tiles, bm, offsets, tile_expert, tile_row0);
 }
 
 extern "C" __global__ void moe_scatter(const int* ids, int P, const int* offsets, int* fill,
-                                       int* sorted_pair, int* pair_pos) {
+                                       int* sorted_pair, int* pair_pos) { mt::pdl_enter();
     const int p = blockIdx.x * blockDim.x + threadIdx.x;
     if (p >= P) return;
     const int e = ids[p];
@@ -592,7 +592,7 @@ __device__ __forceinline__ void moe_warp_rows(const __nv_bfloat16* const (&w)[GV
 extern "C" __global__ void __launch_bounds__(128, 1) moe_gemv_gate_up(
     const __nv_bfloat16* __restrict__ x, const int* __restrict__ ids,
     const int* __restrict__ sorted_pair, int kk, const __nv_bfloat16* __restrict__ gate_up, int I,
-    int H, int P, __nv_bfloat16* __restrict__ act) {
+    int H, int P, __nv_bfloat16* __restrict__ act) { mt::pdl_enter();
     constexpr int NO = GV_ROWS / 2;                       // outputs per warp (I % NO == 0)
     const long long wg = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
     const int per_pos = I / NO;
@@ -680,7 +680,7 @@ __device__ __forceinline__ void dc_pairs(const __nv_bfloat16* __restrict__ act,
 extern "C" __global__ void __launch_bounds__(128, 1) moe_gemv_down_combine(
     const __nv_bfloat16* __restrict__ act, const int* __restrict__ ids,
     const int* __restrict__ pair_pos, const float* __restrict__ wts, int kk,
-    const __nv_bfloat16* __restrict__ down, int H, int I, int T_, __nv_bfloat16* __restrict__ out) {
+    const __nv_bfloat16* __restrict__ down, int H, int I, int T_, __nv_bfloat16* __restrict__ out) { mt::pdl_enter();
     const long long wg = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
     const int per_tok = H / DC_ROWS;                      // H % DC_ROWS == 0
     const int t = (int)(wg / per_tok);
@@ -702,29 +702,29 @@ extern "C" __global__ void __launch_bounds__(128, 1) moe_gemv_down_combine(
 #define MOE_INST(T, SUF)                                                                          \
     extern "C" __global__ void __launch_bounds__(128) moe_route_##SUF(                            \
         const T* logits, int T_, int E, int k, int renorm, int shared, int* ids, float* wts,      \
-        int* counts) {                                                                            \
+        int* counts) { mt::pdl_enter();                                                           \
         moe_route<T>(logits, T_, E, k, renorm, shared, ids, wts, counts);                         \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(1024) moe_plan_##SUF(                            \
         const T* logits, int T_, int E, int k, int renorm, int shared, int nwr, int max_tiles,    \
         int bm, float* wts, int* offsets, int* tile_expert, int* tile_row0, int* sorted_pair,     \
-        int* pair_pos, int* ids) {                                                                \
+        int* pair_pos, int* ids) { mt::pdl_enter();                                               \
         moe_plan<T>(logits, T_, E, k, renorm, shared, nwr, max_tiles, bm, wts, offsets,           \
                     tile_expert, tile_row0, sorted_pair, pair_pos, ids);                          \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(GNT) moe_gemm_gate_up_##SUF(                     \
         const T* x, const int* sorted_pair, int topk, const T* gate_up, int I, int H,             \
-        const int* tile_expert, const int* tile_row0, const int* offsets, T* act) {               \
+        const int* tile_expert, const int* tile_row0, const int* offsets, T* act) { mt::pdl_enter(); \
         moe_gemm<T, true>(x, sorted_pair, topk, gate_up, I, H, tile_expert, tile_row0, offsets,   \
                           act);                                                                   \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(GNT) moe_gemm_down_##SUF(                        \
         const T* act, const T* down, int H, int I, const int* tile_expert, const int* tile_row0,  \
-        const int* offsets, T* y) {                                                               \
+        const int* offsets, T* y) { mt::pdl_enter();                                              \
         moe_gemm<T, false>(act, nullptr, 1, down, H, I, tile_expert, tile_row0, offsets, y);      \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(256) moe_combine_##SUF(                          \
-        const T* y, const int* pair_pos, const float* wts, int k, int H, T* out) {                \
+        const T* y, const int* pair_pos, const float* wts, int k, int H, T* out) { mt::pdl_enter(); \
         moe_combine<T>(y, pair_pos, wts, k, H, out);                                              \
     }
 MOE_INST(__nv_bfloat16, bf16)
@@ -735,7 +735,7 @@ MOE_INST(float, f32)
     extern "C" __global__ void __launch_bounds__(MMA_NW * 32) NAME(                               \
         const __nv_bfloat16* a, const int* sorted_pair, int topk, const __nv_bfloat16* w, int N,   \
         int K, const int* tile_expert, const int* tile_row0, const int* offsets,                  \
-        __nv_bfloat16* out) {                                                                     \
+        __nv_bfloat16* out) { mt::pdl_enter();                                                    \
         moe_mma_gemm<GATED, MT, NTW, ST>(a, sorted_pair, topk, w, N, K, tile_expert, tile_row0,   \
                                          offsets, out);                                           \
     }

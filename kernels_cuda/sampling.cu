@@ -287,18 +287,18 @@ __device__ void sample_logprobs(const T* __restrict__ logits, long long ld, int 
 
 extern "C" __global__ void __launch_bounds__(SNT) sample_select_f32(const float* work, int V,
                                                                     const int* prm, int* counts,
-                                                                    int* out, int OW) {
+                                                                    int* out, int OW) { mt::pdl_enter();
     sample_select(work, V, prm, counts, out, OW);
 }
 
 #define SAMPLE_INST(T, SUF)                                                                     \
     extern "C" __global__ void __launch_bounds__(256) sample_prepare_##SUF(                     \
         const T* logits, long long ld, const int* prm, const int* counts,                       \
-        const unsigned char* prompt, float* work, int V) {                                      \
+        const unsigned char* prompt, float* work, int V) { mt::pdl_enter();                     \
         sample_prepare<T>(logits, ld, prm, counts, prompt, work, V);                            \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(SNT) sample_logprobs_##SUF(                    \
-        const T* logits, long long ld, int V, const int* prm, int* out, int OW, int K) {        \
+        const T* logits, long long ld, int V, const int* prm, int* out, int OW, int K) { mt::pdl_enter(); \
         sample_logprobs<T>(logits, ld, V, prm, out, OW, K);                                     \
     }
 SAMPLE_INST(__nv_bfloat16, bf16)

@@ -107,15 +107,21 @@ class EngineCore:
             self.ops, self.model.vocab_size, max_batch=cfg.max_batch_size,
             num_slots=max(cfg.max_batch_size, num_slots), seed=cfg.seed)
         if cfg.profile:
-            log.info("--profile: CUDA graphs off, kernels run eagerly")
+            from metrale.backends.launch import set_pdl
+
+            set_pdl(False)     # each op timed between events: no kernel may start early
+            log.info("--profile: CUDA graphs and programmatic dependent launch off, kernels run eagerly")
             return
         graphs = DecodeGraphs(self.model, self.ops, self.caches, cfg.max_batch_size,
                               max_blocks_per_seq=-(-cfg.max_seq_len // cfg.block_size),
                               spare_block=num_blocks, spare_slot=num_slots)
         graphs.capture()
         self.runner.graphs = graphs
-        log.info("captured %d decode graphs (batch buckets %s); graph memory pool %.1f MiB",
-                 len(graphs.graphs), sorted(graphs.graphs), graphs.pool.total_bytes() / 2**20)
+        from metrale.backends.launch import pdl_enabled
+
+        log.info("captured %d decode graphs (batch buckets %s); graph memory pool %.1f MiB; "
+                 "programmatic dependent launch %s", len(graphs.graphs), sorted(graphs.graphs),
+                 graphs.pool.total_bytes() / 2**20, "on" if pdl_enabled() else "off")
         if cfg.prefill_graphs == "on":
             self._setup_step_graphs(graphs, num_blocks, num_slots)
 

@@ -4,11 +4,12 @@
 #   perf/gpu_run.sh [OUTDIR]        (OUTDIR defaults to $OUT, else perf/results/gpu_<date>)
 #   QUICK=1 perf/gpu_run.sh ...     shorter benchmark sweep
 #   PYTEST_ARGS="-k attention" ...  a subset of the GPU tests
-#   PYTEST_FILES="tests/test_gpu_models.py" ...  other test files (default: test_cuda_*, test_gpu_*)
+#   PYTEST_FILES="tests/test_gpu_models.py" ...  other test files (default: test_launch, test_cuda_*, test_gpu_*)
 #   PROFILE="qwen3_5_9b:1,64 ..."  per-kernel decode profiles (perf/decode_profile.py) first
 #   SKIP_TESTS=1 ...  no GPU tests
 #   BUNDLE=1 ...  pack everything under OUTDIR into OUTDIR/bundle.tgz (the device returns 8 files)
-#   MOE_BENCH=1 / GEMM_BENCH=1 ...  with SKIP_OPS: just the MoE / decode-GEMM op benchmarks
+#   MOE_BENCH=1 / GEMM_BENCH=1 / PDL_BENCH=1 ...  with SKIP_OPS: just the MoE / decode-GEMM op
+#     benchmarks / the GEMM chains with PDL off and on (perf/pdl_chain.py; PDL_TS="1,4" picks t)
 #   LADDER_ARGS="--prefill-graphs on" ...  extra perf/ladder.py arguments for every ladder
 #
 # Wheels the GPU image lacks (pyzmq, falcon, gunicorn, orjson) are installed from ./.whl when it
@@ -49,7 +50,7 @@ done
 
 if [ -z "${SKIP_TESTS:-}" ]; then
 echo "== GPU tests"
-"$PY" -m pytest -m gpu -q -rfEs --timeout 1200 ${PYTEST_ARGS:-} ${PYTEST_FILES:-tests/test_cuda_*.py tests/test_gpu_*.py} 2>&1 | tee "$OUTDIR/pytest_gpu.log"
+"$PY" -m pytest -m gpu -q -rfEs --timeout 1200 ${PYTEST_ARGS:-} ${PYTEST_FILES:-tests/test_launch.py tests/test_cuda_*.py tests/test_gpu_*.py} 2>&1 | tee "$OUTDIR/pytest_gpu.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
@@ -66,6 +67,11 @@ else
 if [ -n "${MOE_BENCH:-}" ]; then
 echo "== MoE op benchmark"
 "$PY" perf/bench_ops.py --out "$OUTDIR" --moe-only 2>&1 | tee "$OUTDIR/bench_moe.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+if [ -n "${PDL_BENCH:-}" ]; then
+echo "== decode GEMMs in a chain, PDL off / on"
+"$PY" perf/pdl_chain.py --out "$OUTDIR" ${PDL_TS:+--ts $PDL_TS} 2>&1 | tee "$OUTDIR/pdl_chain.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if [ -n "${GEMM_BENCH:-}" ]; then

@@ -410,7 +410,8 @@ def write_record(args, prefix: str, record: dict) -> Path:
     """perf results JSON: commit, date, shape and workload first, then the figures."""
     record = dict(commit=git_commit(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                   shape=args.shape, model_config=SHAPES[args.shape], dtype="bfloat16",
-                  isl=args.isl, osl=args.osl, reps=args.reps, prefill_graphs=args.prefill_graphs, **record)
+                  isl=args.isl, osl=args.osl, reps=args.reps, prefill_graphs=args.prefill_graphs,
+                  pdl=os.environ.get("METRALE_PDL", "1"), **record)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")

@@ -91,3 +91,56 @@ def test_backend_kernel_names_exist(name, tmp_path):
     }[name]
     missing = [k for k in want if k not in kernels]
     assert not missing, f"{name}.cu does not export {missing}"
+
+
+# -- programmatic dependent launch: the rule of kernels_cuda/common.cuh -------------------------
+# metrale/backends/launch.py launches every kernel but the self-test with the PDL attribute, so a
+# kernel may start while the previous one still writes. Each entry point therefore has to wait
+# (griddepcontrol.wait) before it touches memory; the only accesses allowed ahead of the wait are
+# read-only-path loads of weights, and only in the kernels listed here (their header says why).
+_PDL_EXEMPT = {"launch_selftest"}                      # launched plainly (metrale/backends/cuda.py)
+_PRE_WAIT_WEIGHT_LOADS = re.compile(r"^gemv_t\d+_r\d+_(bf16|f16)$")   # gemv.cu: first weight round
+_MEM = re.compile(r"\b(ld\.global|st\.global|atom\.|red\.|cp\.async|cp\.reduce|ld\.volatile|st\.volatile|"
+                  r"ld\.relaxed|ld\.acquire|st\.release|tex\.|suld|sust|ld\.(?!param|shared|local|const)\w*)")
+
+
+def _ptx_entries(ptx: str) -> dict[str, str]:
+    """{entry name: its body text} of a PTX module."""
+    heads = list(re.finditer(r"\.entry\s+(\w+)\s*\(", ptx))
+    return {m.group(1): ptx[m.end(): heads[i + 1].start() if i + 1 < len(heads) else len(ptx)]
+            for i, m in enumerate(heads)}
+
+
+def test_every_kernel_waits_for_its_predecessor_before_touching_memory(tmp_path):
+    nvcc = find_nvcc()
+    assert nvcc, "nvcc not found"
+
+    def ptx_of(src: Path) -> tuple[Path, int, str]:
+        out = tmp_path / (src.stem + ".ptx")
+        res = subprocess.run([nvcc, f"-arch={ARCH}", "-ptx", *NVCC_OPTIONS, "-I", str(KERNEL_DIR), "-o",
+                              str(out), str(src)], capture_output=True, text=True)
+        return src, res.returncode, out.read_text() if res.returncode == 0 else res.stderr
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(ptx_of, sorted(KERNEL_DIR.glob("*.cu"))))
+    bad, checked = [], 0
+    for src, rc, text in results:
+        assert rc == 0, f"{src.name}: {text}"
+        for name, body in _ptx_entries(text).items():
+            if name in _PDL_EXEMPT:
+                continue
+            checked += 1
+            wait = body.find("griddepcontrol.wait")
+            if wait < 0 or "griddepcontrol.launch_dependents" not in body:
+                bad.append(f"{src.name}:{name}: no griddepcontrol.wait / launch_dependents")
+                continue
+            for line in body[:wait].splitlines():
+                line = line.strip()
+                if not _MEM.search(line) or line.startswith("//"):
+                    continue
+                if _PRE_WAIT_WEIGHT_LOADS.match(name) and "ld.global.nc" in line:
+                    continue
+                bad.append(f"{src.name}:{name}: memory access before griddepcontrol.wait: {line}")
+                break
+    assert checked > 30, f"only {checked} entry points found"
+    assert not bad, "kernels that break the PDL rule (kernels_cuda/common.cuh):\n" + "\n".join(bad)

@@ -144,7 +144,8 @@ class KernelCache:
                 self._fast = fast_launcher(self)     # None: not decided yet (capturing)
             if self._fast is None:
                 return k
-            k = self._kernels[key] = self._fast(k)
+            # every kernels_cuda entry point keeps the PDL rule (common.cuh) but the self-test
+            k = self._kernels[key] = self._fast(k, module != "launch_selftest")
         return k
 
 

@@ -14,6 +14,15 @@ and floats have no width of their own (CuPy guesses one): a call passing one is 
 CuPy, unchanged. So is every call when the first launch of the process, a self-test kernel
 (kernels_cuda/launch_selftest.cu) with arguments of every width in padding-forcing order, does
 not read back what it was given, or when METRALE_FAST_LAUNCH=0.
+
+Programmatic dependent launch (PDL, sm_90+): every kernel of kernels_cuda/ except the self-test
+starts with griddepcontrol (common.cuh: `pdl_enter`, or gemv.cu's weight prefetch then
+`pdl_wait`). Such a kernel is launched through cuLaunchKernelEx with
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, so the GPU may start it while the kernel
+before it drains: its launch and first loads overlap that kernel's tail instead of following it
+(a decode step is ~330 kernels; in a graph, stream capture turns the attribute into programmatic
+edges). Off with METRALE_PDL=0, under `--profile` (events between ops), before sm_90, or when
+the self-test's PDL launch fails.
 """
 from __future__ import annotations
 
@@ -64,8 +73,25 @@ class _Layout:
         self.ptr_args = ptr_args      # positions holding cupy arrays / None (-> device pointer)
 
 
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6   # cuda.h, CUlaunchAttributeID
+
+
+class LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: the id, padding to 8 bytes, a 64-byte value union (cuda.h)."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("value_pad", ctypes.c_char * 60)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (cuda.h)."""
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
 class _Driver:
-    """libcuda's cuLaunchKernel (the library CuPy already loaded)."""
+    """libcuda's cuLaunchKernel and cuLaunchKernelEx (the library CuPy already loaded)."""
 
     def __init__(self):
         lib = ctypes.CDLL("libcuda.so.1")
@@ -73,6 +99,22 @@ class _Driver:
         self.launch = lib.cuLaunchKernel
         self.launch.argtypes = [vp, u, u, u, u, u, u, u, vp, ctypes.POINTER(vp), ctypes.POINTER(vp)]
         self.launch.restype = ctypes.c_int
+        self.launch_ex = getattr(lib, "cuLaunchKernelEx", None)     # CUDA >= 11.8 drivers
+        if self.launch_ex is not None:
+            self.launch_ex.argtypes = [ctypes.POINTER(LaunchConfig), vp, ctypes.POINTER(vp), ctypes.POINTER(vp)]
+            self.launch_ex.restype = ctypes.c_int
+        # one config for every PDL launch (launches are issued from one thread, the engine's)
+        self.pdl_attr = LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+        self.pdl_cfg = LaunchConfig(attrs=ctypes.pointer(self.pdl_attr), numAttrs=1)
+        self.pdl_cfg_ref = ctypes.byref(self.pdl_cfg)
+
+    def launch_pdl(self, func, gx, gy, gz, bx, by, bz, smem, stream, params) -> int:
+        c = self.pdl_cfg
+        c.gridDimX, c.gridDimY, c.gridDimZ = gx, gy, gz
+        c.blockDimX, c.blockDimY, c.blockDimZ = bx, by, bz
+        c.sharedMemBytes = smem
+        c.hStream = stream
+        return self.launch_ex(self.pdl_cfg_ref, func, params, None)
         self.error_name = lib.cuGetErrorName
         self.error_name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
         self.error_name.restype = ctypes.c_int
@@ -86,11 +128,12 @@ class FastKernel:
     """A RawKernel launched through cuLaunchKernel; the CuPy launch where that does not apply.
     Same call as the RawKernel: k(grid, block, args, shared_mem=0, stream=None)."""
 
-    def __init__(self, raw, driver: _Driver):
+    def __init__(self, raw, driver: _Driver, pdl: bool = False):
         import cupy
 
         self.raw = raw
         self._driver = driver
+        self.pdl = pdl                  # the kernel keeps the PDL rule (common.cuh)
         self._func = None
         self._layouts: dict = {}
         self._ndarray = cupy.ndarray
@@ -140,10 +183,31 @@ class FastKernel:
             stream = self._current_stream()
         g = tuple(grid) + (1, 1)
         b = tuple(block) + (1, 1)
-        status = self._driver.launch(self._func, g[0], g[1], g[2], b[0], b[1], b[2], shared_mem,
-                                     stream.ptr, lay.params, None)
+        if self.pdl and _pdl[0]:
+            status = self._driver.launch_pdl(self._func, g[0], g[1], g[2], b[0], b[1], b[2], shared_mem,
+                                             stream.ptr, lay.params)
+        else:
+            status = self._driver.launch(self._func, g[0], g[1], g[2], b[0], b[1], b[2], shared_mem,
+                                         stream.ptr, lay.params, None)
         if status:
             raise RuntimeError(f"cuLaunchKernel({self.raw.name}) failed: {self._driver.name(status)}")
+
+
+_pdl = [False]      # PDL launches on (set by the self-test, set_pdl); a list: read per launch
+
+
+def pdl_enabled() -> bool:
+    return _pdl[0]
+
+
+def set_pdl(on: bool) -> bool:
+    """Ask for PDL launches on or off (on takes effect only where the self-test's PDL launch
+    passed, now or when it runs later); returns the previous effective state. Applies to
+    launches issued after it, and so to graphs captured after it."""
+    prev = _pdl[0]
+    _state["pdl_want"] = bool(on)
+    _pdl[0] = bool(on) and bool(_state.get("pdl_ok"))
+    return prev
 
 
 _state: dict = {}
@@ -165,8 +229,8 @@ def fast_launcher(kernel_cache):
         _state["driver"] = _self_test(kernel_cache)
     driver = _state["driver"]
     if driver is None:
-        return lambda raw: raw
-    return lambda raw: FastKernel(raw, driver)
+        return lambda raw, pdl=False: raw
+    return lambda raw, pdl=False: FastKernel(raw, driver, pdl)
 
 
 def _self_test(kernel_cache) -> _Driver | None:
@@ -191,7 +255,39 @@ def _self_test(kernel_cache) -> _Driver | None:
             log.warning("packed kernel launches disabled: the self-test read back %s, expected %s",
                         got, want)
             return None
+        _state["pdl_ok"] = _pdl_self_test(kernel_cache, k, args, want, out)
+        set_pdl(_state.get("pdl_want", levers.get("METRALE_PDL") == "1"))
         return driver
     except Exception as e:  # noqa: BLE001 - no driver library, no entry point: CuPy launches
         log.warning("packed kernel launches disabled: %s", e)
         return None
+
+
+def _pdl_self_test(kernel_cache, k: FastKernel, args, want, out) -> bool:
+    """One launch of the self-test kernel with the PDL attribute, read back (sm_90+ only: the
+    attribute is accepted before, but the kernels' griddepcontrol compiles to nothing there)."""
+    import cupy
+
+    try:
+        major = int(str(kernel_cache.arch)[:-1] or 0)
+    except ValueError:
+        major = 0
+    if major < 9 or k._driver.launch_ex is None:
+        return False
+    try:
+        out.fill(0)
+        k.pdl = True
+        prev, _pdl[0] = _pdl[0], True
+        try:
+            k((1,), (1,), args)
+        finally:
+            _pdl[0], k.pdl = prev, False
+        cupy.cuda.get_current_stream().synchronize()
+        got = out.get().tolist()
+        if got != want:
+            log.warning("PDL launches disabled: the self-test read back %s, expected %s", got, want)
+            return False
+        return True
+    except Exception as e:  # noqa: BLE001 - the driver refused the attribute: plain launches
+        log.warning("PDL launches disabled: %s", e)
+        return False
