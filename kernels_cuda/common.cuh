@@ -46,20 +46,28 @@ template <typename T> struct Vec16 {
 //     kernel's tail.
 //   * pdl_trigger() lets the next kernel be launched early (its CTAs then wait in pdl_wait()).
 //     It carries no memory ordering, so it may come first.
+#ifndef MT_PDL_TRIGGER
+#define MT_PDL_TRIGGER 1   // where pdl_enter lets the next kernel launch: 1 before the wait, 2 after, 0 never
+#endif
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
 }
 __device__ __forceinline__ void pdl_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && MT_PDL_TRIGGER != 0
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
 // the entry of every kernel with nothing to do before its inputs are ready
 __device__ __forceinline__ void pdl_enter() {
+#if MT_PDL_TRIGGER == 1
     pdl_trigger();
+#endif
     pdl_wait();
+#if MT_PDL_TRIGGER == 2
+    pdl_trigger();
+#endif
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

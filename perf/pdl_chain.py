@@ -67,9 +67,9 @@ def graph_time(body, calls: int, reps: int, pdl: bool) -> float:
         launch.set_pdl(prev)
 
 
-def gemm_chain(ops: CudaOps, ts, reps: int, copy_bw: float) -> list[dict]:
+def gemm_chain(ops: CudaOps, ts, reps: int, copy_bw: float, shapes=SHAPES) -> list[dict]:
     rows = []
-    for n, k in SHAPES:
+    for n, k in shapes:
         wbytes = n * k * 2
         copies = max(1, min(8, int(-(-FOOTPRINT // wbytes))))
         ws = [bo.rand_bf16((n, k), k ** -0.5) for _ in range(copies)]
@@ -127,8 +127,11 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--ts", default="1,2,4,8,16,32,64")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--shapes", default="", help="OUTxIN,... (default: the three 9B shapes)")
+    ap.add_argument("--no-mlp", action="store_true")
     args = ap.parse_args()
     ts = [int(v) for v in args.ts.split(",")]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
     ops = CudaOps()
     ops.kernel("elementwise", "silu_mul_bf16")        # decides the launch path (self-tests)
     props = cupy.cuda.runtime.getDeviceProperties(ops.device.id)
@@ -139,8 +142,9 @@ def main() -> None:
                      "and on ('pdl'); CudaOps.linear's tuned plan"}
     res["ceilings"] = c = bo.bench_ceilings(ops)
     print(f"copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s; PDL available: {res['pdl_available']}")
-    res["gemm_chain"] = gemm_chain(ops, ts, args.reps, c["copy_bytes_per_s"])
-    res["mlp_chain"] = mlp_chain(ops, ts, args.reps, c["copy_bytes_per_s"])
+    res["gemm_chain"] = gemm_chain(ops, ts, args.reps, c["copy_bytes_per_s"], shapes)
+    if not args.no_mlp:
+        res["mlp_chain"] = mlp_chain(ops, ts, args.reps, c["copy_bytes_per_s"])
     bo.write_results(res, args.out, prefix="pdl_chain")
 
 

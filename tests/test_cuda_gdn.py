@@ -465,6 +465,7 @@ def _moe_variant(monkeypatch, variant):
         monkeypatch.setattr(cuda_gdn, "MOE_MMA_M4_MIN_ROWS", 0)
     elif variant == "gemv":
         monkeypatch.setattr(cuda_gdn, "MOE_GEMV_MAX_TOKENS", 1 << 30)
+        monkeypatch.setattr(cuda_gdn, "MOE_GEMV_PAIR_SPREAD", 0)
 
 
 def _spy_kernels(monkeypatch, ops):

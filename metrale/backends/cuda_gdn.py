@@ -46,6 +46,10 @@ MOE_PLAN_ROUTE_SMEM = 30 * 1024
 # with the down GEMVs and the combine fused (moe_gemv_down_combine), T = 1 / 2 / 4: 28.4 / 40.1
 # / 63.2 us
 MOE_GEMV_MAX_TOKENS = 4
+# ... and past one token only while T * top_k * MOE_GEMV_PAIR_SPREAD <= E: the GEMVs read an
+# expert once per pair that takes it, so they need the pairs few next to the experts
+# (duplicates rare; measured at E = 256, k = 8)
+MOE_GEMV_PAIR_SPREAD = 4
 MOE_GEMV_ROWS = 4                # must match GV_ROWS in moe.cu
 MOE_DC_ROWS = 2                  # must match DC_ROWS in moe.cu (moe_gemv_down_combine)
 GDN_HEAD_DIMS = {(16, 16), (32, 32), (64, 64), (128, 128), (64, 128), (128, 64)}
@@ -415,9 +419,7 @@ def moe(ops, x, router_w, gate_up, down, top_k, renormalize, shared=False):
             ((P + 255) // 256,), (256,), (ids, np.int32(P), offsets, fill, sorted_pair, pair_pos))
     act = _empty(ops, (P, I), x.dtype)
     rows = MOE_GEMV_ROWS
-    # the GEMVs read an expert once per pair that takes it: past one token, only while the pairs
-    # are few next to the experts (duplicates rare; measured at E = 256, k = 8)
-    few = T == 1 or T * top_k * 4 <= E
+    few = T == 1 or T * top_k * MOE_GEMV_PAIR_SPREAD <= E
     if use_mma and T <= MOE_GEMV_MAX_TOKENS and few and I % (rows // 2) == 0 and H % MOE_DC_ROWS == 0:
         _kernel(ops, "moe.cu", "moe_gemv_gate_up")(
             (-(-P * I // (rows // 2) // 4),), (128,),
