@@ -163,7 +163,7 @@ def test_pdl_launches_pass_their_self_test_on_sm90(ops):
         assert not launch.pdl_enabled()
         return
     assert launch._state.get("pdl_ok"), "the PDL self-test launch failed (see the log)"
-    assert launch.pdl_enabled() == (launch.levers.get("METRALE_PDL") == "1")
+    assert launch.pdl_enabled() == (launch.levers.get("METRALE_PDL") in ("1", "all"))
     assert ops.kernel("gemv", "gemv_t1_r2_bf16").pdl
     assert not ops.kernel("launch_selftest", "launch_selftest").pdl
 

@@ -17,6 +17,7 @@ import glob
 import os
 
 from metrale import levers
+from metrale.backends.launch import foreign_launch
 
 # cudaDataType / cublasComputeType_t / cublasOperation_t / cublasGemmAlgo_t values (cublas_api.h,
 # library_types.h)
@@ -159,6 +160,7 @@ class Cublas:
         """y[t, n_out] (+)= x[t, k] @ w[n_out, k].T, row-major, leading dims in elements,
         fp32 compute. `dtype_code` is CUDA_R_16BF / CUDA_R_16F / CUDA_R_32F for x, w and y."""
         self.bind(stream_ptr)
+        foreign_launch()
         self._check(self.lib.cublasGemmEx(
             self.handle, CUBLAS_OP_T, CUBLAS_OP_N, n_out, t, k,
             self._p_one, w_ptr, dtype_code, w_ld, x_ptr, dtype_code, x_ld,

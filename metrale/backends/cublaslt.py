@@ -46,6 +46,7 @@ import math
 import time
 
 from metrale.backends import cublas as _cublas
+from metrale.backends.launch import foreign_launch
 from metrale.backends.cublas import (CUBLAS_COMPUTE_32F, CUBLAS_OP_N, CUBLAS_OP_T, CUDA_R_16BF, CUDA_R_16F,
                                     CUDA_R_32F, CublasError)
 
@@ -471,6 +472,7 @@ class LtGemm:
                                         accumulate)
             return
         a_lay, b_lay, c_lay = plan.layouts
+        foreign_launch()
         self._check(self.lib.cublasLtMatmul(
             self.handle, self.desc, self._p_one, w_ptr, a_lay, x_ptr, b_lay,
             self._p_one if accumulate else self._p_zero, y_ptr, c_lay, y_ptr, c_lay,
