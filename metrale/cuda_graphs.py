@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from metrale._hot.pack import PADDING, pack_batch, pack_decode
+from metrale.backends.launch import pdl_capture
 from metrale.forward import ForwardBatch, prefill_work_list
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
@@ -216,7 +217,8 @@ class DecodeGraphs:
                 self.model.forward(batch, self.caches)          # warm-up: kernels loaded, pool filled
                 self.stream.synchronize()
                 self.stream.begin_capture()
-                g.logits = self.model.forward(batch, self.caches)
+                with pdl_capture():     # programmatic edges between our kernels (launch.py)
+                    g.logits = self.model.forward(batch, self.caches)
                 g.graph = self.stream.end_capture()
                 self.stream.synchronize()
 
@@ -464,7 +466,8 @@ class StepGraphs:
                 self.stream.synchronize()
                 self.stream.begin_capture()
                 try:
-                    g["logits"] = self.model.forward(batch, self.caches)
+                    with pdl_capture():     # programmatic edges between our kernels (launch.py)
+                        g["logits"] = self.model.forward(batch, self.caches)
                 except BaseException:
                     try:        # leave the engine's stream out of capture mode before giving up
                         self.stream.end_capture()

@@ -52,7 +52,8 @@ def graph_time(body, calls: int, reps: int, pdl: bool) -> float:
             body()                                  # eager: tunes new shapes, fills the pool
             stream.synchronize()
             stream.begin_capture()
-            body()
+            with launch.pdl_capture():
+                body()
             graph = stream.end_capture()
             graph.launch(stream)
             stream.synchronize()

@@ -79,6 +79,59 @@ def test_fast_kernel_hands_the_driver_each_value_at_its_param_pointer():
     assert seen["values"][1] == 5 and len(k._layouts) == 1
 
 
+def test_pdl_attribute_only_between_our_kernels_inside_a_capture(monkeypatch):
+    """Which launches carry the PDL attribute (on the CPU, a stand-in driver records them): none
+    outside pdl_capture(); inside, not the first kernel, not one after a foreign launch (cuBLAS,
+    a CuPy memset), not a kernel without the in-kernel wait (pdl=False), every other one."""
+    from types import SimpleNamespace
+
+    from metrale.backends import launch
+
+    calls = []
+
+    class Driver:
+        def launch(self, *a):
+            calls.append("plain")
+            return 0
+
+        def launch_pdl(self, *a):
+            calls.append("pdl")
+            return 0
+
+    monkeypatch.setitem(launch._state, "pdl_ok", True)
+    prev = launch.set_pdl(True)
+    try:
+        raw = SimpleNamespace(kernel=SimpleNamespace(ptr=1), name="k")
+        ours, selftest = launch.FastKernel(raw, Driver(), pdl=True), launch.FastKernel(raw, Driver(), pdl=False)
+        stream = SimpleNamespace(ptr=0)
+
+        def go(k):
+            k((1,), (32,), (np.int32(0),), stream=stream)
+
+        go(ours)
+        go(ours)                       # eager: plain
+        with launch.pdl_capture():
+            go(ours)                   # first in the capture: plain
+            go(ours)
+            go(ours)
+            launch.foreign_launch()    # a cuBLAS call
+            go(ours)
+            go(ours)
+            go(selftest)               # no in-kernel wait: plain
+            go(ours)                   # after a kernel that is not PDL-ready: plain
+            go(ours)
+        go(ours)
+        assert calls == ["plain", "plain", "plain", "pdl", "pdl", "plain", "pdl", "plain", "plain", "pdl", "plain"]
+        launch.set_pdl(False)
+        calls.clear()
+        with launch.pdl_capture():
+            go(ours)
+            go(ours)
+        assert calls == ["plain", "plain"]
+    finally:
+        launch.set_pdl(prev)
+
+
 # -- on the GPU --------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -163,7 +216,7 @@ def test_pdl_launches_pass_their_self_test_on_sm90(ops):
         assert not launch.pdl_enabled()
         return
     assert launch._state.get("pdl_ok"), "the PDL self-test launch failed (see the log)"
-    assert launch.pdl_enabled() == (launch.levers.get("METRALE_PDL") in ("1", "all"))
+    assert launch.pdl_enabled() == (launch.levers.get("METRALE_PDL") == "1")
     assert ops.kernel("gemv", "gemv_t1_r2_bf16").pdl
     assert not ops.kernel("launch_selftest", "launch_selftest").pdl
 
@@ -181,10 +234,11 @@ def _layer_chain(ops, h, res, layers):
 @pytest.mark.parametrize("t", [1, 3, 16])
 def test_pdl_chain_equals_plain_stream_order_eager_and_graphed(ops, t):
     """A dependent chain (GEMVs at t <= 2, which prefetch weights before waiting; cuBLAS at
-    t = 16; small kernels between) gives the same bits with PDL launches as in plain stream
-    order, eagerly and replayed from a graph. The input changes from run to run, so a kernel
-    that read its input before the previous kernel had written it would see the previous run's
-    values (pool buffers are reused) and differ."""
+    t = 16; small kernels between) captured with programmatic edges replays the same bits as
+    the chain run eagerly in plain stream order. The input changes from replay to replay (a
+    copy into the graph's input buffer just before it), so a kernel that read its input before
+    the kernel (or copy) before it had written it would see the previous replay's values and
+    differ. Eager launches are plain in both passes (PDL applies inside pdl_capture only)."""
     import cupy
 
     from metrale.backends import launch
@@ -214,7 +268,8 @@ def test_pdl_chain_equals_plain_stream_order_eager_and_graphed(ops, t):
                 h_in, r_in = inputs[0][0].copy(), inputs[0][1].copy()
                 stream.synchronize()
                 stream.begin_capture()
-                g_out, g_res = _layer_chain(ops, h_in, r_in, layers)
+                with launch.pdl_capture():
+                    g_out, g_res = _layer_chain(ops, h_in, r_in, layers)
                 graph = stream.end_capture()
                 replays = []
                 for rep in range(3 * N):
@@ -234,6 +289,6 @@ def test_pdl_chain_equals_plain_stream_order_eager_and_graphed(ops, t):
         return a[0].tobytes() == b[0].tobytes() and a[1].tobytes() == b[1].tobytes()
 
     assert all(same(got[False][1][rep], ref[rep % N]) for rep in range(3 * N))
-    assert all(same(got[True][0][i], ref[i]) for i in range(N)), "eager PDL launches differ"
+    assert all(same(got[True][0][i], ref[i]) for i in range(N))
     bad = [rep for rep in range(3 * N) if not same(got[True][1][rep], ref[rep % N])]
     assert not bad, f"graph replays {bad} with PDL edges differ from plain stream order"

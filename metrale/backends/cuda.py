@@ -29,6 +29,7 @@ import numpy as np
 from metrale import levers
 from metrale.backends import cublas as _cublas
 from metrale.backends.base import compose_qk_norm_rope_write_kv
+from metrale.backends.launch import foreign_launch
 from metrale.forward import ForwardBatch, prefill_work_list
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -230,6 +231,7 @@ class CudaOps:
     def _new(self, shape, dtype):
         out = self.cp.empty(shape, dtype=dtype)
         if self.poison:
+            foreign_launch()        # a CuPy fill: the next kernel must not start before it
             out.view(np.uint8 if np.dtype(dtype).itemsize == 1 else
                      {2: np.uint16, 4: np.uint32, 8: np.uint64}[np.dtype(dtype).itemsize]).fill(
                 {1: 0xFF, 2: 0x7FC0, 4: 0x7FC00000, 8: 0x7FF8000000000000}[np.dtype(dtype).itemsize])
@@ -255,6 +257,7 @@ class CudaOps:
         return self.cp.empty(shape, dtype=dtype or self.dtype)
 
     def zeros(self, shape, dtype=None):
+        foreign_launch()            # a memset (see _new)
         return self.cp.zeros(shape, dtype=dtype or self.dtype)
 
     _BATCH_FIELDS = ("input_ids", "positions", "query_start_loc", "seq_lens", "block_tables",

@@ -17,6 +17,8 @@ import os
 import cupy as cp
 import numpy as np
 
+from metrale.backends.launch import foreign_launch
+
 KERNEL_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "kernels_cuda")
 GDN_CHUNK = 64                   # must match CH in gdn_delta.cu
 CONV_SEG = 64                    # tokens per thread segment in gdn_conv.cu
@@ -387,6 +389,8 @@ def moe(ops, x, router_w, gate_up, down, top_k, renormalize, shared=False):
     # offsets [E + S + 1], tile_expert, tile_row0 [max_tiles], sorted_pair, pair_pos, ids [P]
     plan = P <= MOE_PLAN_MAX_PAIRS
     counters = 0 if plan else 2 * Et
+    if not plan:
+        foreign_launch()        # the memset of the counters: moe_route must follow it plainly
     ints = (cp.empty if plan else cp.zeros)(counters + (Et + 1) + 2 * max_tiles + 3 * P,
                                              dtype=cp.int32)
     offsets = ints[counters:counters + Et + 1]

@@ -17,15 +17,22 @@ not read back what it was given, or when METRALE_FAST_LAUNCH=0.
 
 Programmatic dependent launch (PDL, sm_90+): every kernel of kernels_cuda/ except the self-test
 starts with griddepcontrol (common.cuh: `pdl_enter`, or gemv.cu's weight prefetch then
-`pdl_wait`). Such a kernel is launched through cuLaunchKernelEx with
-CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, so the GPU may start it while the kernel
-before it drains: its launch and first loads overlap that kernel's tail instead of following it
-(a decode step is ~330 kernels; in a graph, stream capture turns the attribute into programmatic
-edges). Off with METRALE_PDL=0, under `--profile` (events between ops), before sm_90, or when
-the self-test's PDL launch fails.
+`pdl_wait`). Inside `pdl_capture()` (the decode and step graph captures, metrale/cuda_graphs.py)
+such a kernel is launched through cuLaunchKernelEx with
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION when the launch just before it was one of
+ours too: stream capture turns that into a programmatic edge, and on replay the kernel starts
+while its predecessor drains (its launch and first weight loads overlap that kernel's tail).
+Never for the first kernel of a capture, nor after a cuBLAS call or a CuPy memset / copy that our
+code issues (`foreign_launch()`): on the H200 a PDL launch straight after such an operation read
+its inputs too early (a graph whose first kernel carried the attribute replayed stale inputs; an
+MoE prefill whose routing counters were zeroed by a memset crashed), and one after cuBLAS made
+SmolLM2's C=16 steps ~7 % slower. Eager launches stay plain (they are host-bound: nothing to
+gain). Off with METRALE_PDL=0 or `--profile`, before sm_90, or when the self-test's PDL launch
+fails.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import struct
@@ -184,7 +191,7 @@ class FastKernel:
             stream = self._current_stream()
         g = tuple(grid) + (1, 1)
         b = tuple(block) + (1, 1)
-        pdl = self.pdl and _pdl[0] and (_prev_own[0] or _pdl_all[0])
+        pdl = self.pdl and _capture[0] and _prev_own[0]
         _prev_own[0] = self.pdl
         if pdl:
             status = self._driver.launch_pdl(self._func, g[0], g[1], g[2], b[0], b[1], b[2], shared_mem,
@@ -196,17 +203,28 @@ class FastKernel:
             raise RuntimeError(f"cuLaunchKernel({self.raw.name}) failed: {self._driver.name(status)}")
 
 
-_pdl = [False]      # PDL launches on (set by the self-test, set_pdl); a list: read per launch
-_pdl_all = [False]  # METRALE_PDL=all: also right after a kernel that is not ours (cuBLAS, CuPy)
-_prev_own = [False]  # the last launch issued (by this process, any stream) was a PDL-ready kernel
+_pdl = [False]       # PDL on (METRALE_PDL, the self-test, set_pdl): used inside pdl_capture()
+_capture = [False]   # inside pdl_capture() with PDL on
+_prev_own = [False]  # the last launch issued (by this process) was one of our PDL-ready kernels
 
 
 def foreign_launch() -> None:
-    """Called before a launch this module does not make (cuBLAS): the kernel after it is
-    launched plainly. Measured on the H200 (perf/results/pdl_policy_*.json): a PDL launch right
-    after a cuBLAS GEMM made SmolLM2's C=16 decode steps ~7 % slower, while chains of our own
-    kernels gain (C=1: 0.92 -> 0.65 ms per step)."""
+    """Called before a stream operation that is not one of our kernels (a cuBLAS call, a CuPy
+    memset or copy): the kernel after it is launched plainly."""
     _prev_own[0] = False
+
+
+@contextlib.contextmanager
+def pdl_capture():
+    """Around a graph capture: our kernels in it get programmatic edges to the kernel before
+    them where that one is ours too (the first one never: on replay it follows whatever the
+    stream did before the graph)."""
+    prev = _capture[0]
+    _capture[0], _prev_own[0] = _pdl[0], False
+    try:
+        yield
+    finally:
+        _capture[0], _prev_own[0] = prev, False
 
 
 def pdl_enabled() -> bool:
@@ -268,39 +286,42 @@ def _self_test(kernel_cache) -> _Driver | None:
             log.warning("packed kernel launches disabled: the self-test read back %s, expected %s",
                         got, want)
             return None
-        _state["pdl_ok"] = _pdl_self_test(kernel_cache, k, args, want, out)
-        mode = levers.get("METRALE_PDL")
-        _pdl_all[0] = mode == "all"
-        set_pdl(_state.get("pdl_want", mode in ("1", "all")))
+        _state["pdl_ok"] = _pdl_self_test(kernel_cache, driver)
+        set_pdl(_state.get("pdl_want", levers.get("METRALE_PDL") == "1"))
         return driver
     except Exception as e:  # noqa: BLE001 - no driver library, no entry point: CuPy launches
         log.warning("packed kernel launches disabled: %s", e)
         return None
 
 
-def _pdl_self_test(kernel_cache, k: FastKernel, args, want, out) -> bool:
-    """One launch of the self-test kernel with the PDL attribute, read back (sm_90+ only: the
-    attribute is accepted before, but the kernels' griddepcontrol compiles to nothing there)."""
+def _pdl_self_test(kernel_cache, driver: _Driver) -> bool:
+    """sm_90+ only (before it the attribute is accepted but griddepcontrol compiles to nothing):
+    y = 0; y += b launched plainly, then y += b with the PDL attribute after it; y must be 2b
+    (the second launch read y only after the first one's write)."""
     import cupy
 
     try:
         major = int(str(kernel_cache.arch)[:-1] or 0)
     except ValueError:
         major = 0
-    if major < 9 or k._driver.launch_ex is None:
+    if major < 9 or driver.launch_ex is None:
         return False
     try:
-        out.fill(0)
-        k.pdl = True
-        prev, _pdl[0] = _pdl[0], True
+        k = FastKernel(kernel_cache.module("elementwise").get_function("bias_add_f32"), driver, pdl=True)
+        n = 4096
+        y = cupy.zeros(n, dtype=cupy.float32)
+        b = cupy.arange(n, dtype=cupy.float32)
+        args = (y, b, np.int64(1), np.int32(n))
+        prev = _capture[0], _prev_own[0]
         try:
-            k((1,), (1,), args)
+            _capture[0], _prev_own[0] = True, False          # the first launch: plain
+            k((4,), (256,), args)
+            k((4,), (256,), args)                            # after one of ours: PDL
         finally:
-            _pdl[0], k.pdl = prev, False
+            _capture[0], _prev_own[0] = prev
         cupy.cuda.get_current_stream().synchronize()
-        got = out.get().tolist()
-        if got != want:
-            log.warning("PDL launches disabled: the self-test read back %s, expected %s", got, want)
+        if not bool((y == 2 * b).all()):
+            log.warning("PDL launches disabled: the self-test's dependent launch read a stale input")
             return False
         return True
     except Exception as e:  # noqa: BLE001 - the driver refused the attribute: plain launches
