@@ -17,7 +17,7 @@ import os
 import cupy as cp
 import numpy as np
 
-from metrale.backends.launch import foreign_launch, plain_launches
+from metrale.backends.launch import foreign_launch
 
 KERNEL_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "kernels_cuda")
 GDN_CHUNK = 64                   # must match CH in gdn_delta.cu
@@ -339,14 +339,6 @@ def _router_logits(ops, x, router_w):
 
 
 def moe(ops, x, router_w, gate_up, down, top_k, renormalize, shared=False):
-    # plain launches throughout (launch.plain_launches): the 35B-A3B crashed (illegal address)
-    # replaying its step graphs with programmatic edges inside this op on the H200; the cause
-    # is not found yet, the rest of the model keeps them
-    with plain_launches():
-        return _moe(ops, x, router_w, gate_up, down, top_k, renormalize, shared)
-
-
-def _moe(ops, x, router_w, gate_up, down, top_k, renormalize, shared=False):
     """softmax router over E experts, top-k (renormalised when asked), weighted sum of the
     experts' SiLU MLPs. x [T, H], router_w [E + S, H], gate_up [E + S, 2I, H], down [E + S, H, I]
     with S = 1 when `shared`: the last expert is a shared expert every token takes with weight

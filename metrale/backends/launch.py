@@ -227,18 +227,6 @@ def pdl_capture():
         _capture[0], _prev_own[0] = prev, False
 
 
-@contextlib.contextmanager
-def plain_launches():
-    """Inside a pdl_capture(): launches without the PDL attribute, and the kernel after the
-    block too."""
-    prev = _capture[0]
-    _capture[0] = False
-    try:
-        yield
-    finally:
-        _capture[0], _prev_own[0] = prev, False
-
-
 def pdl_enabled() -> bool:
     return _pdl[0]
 
