@@ -35,19 +35,27 @@ template <typename T> struct Vec16 {
 // --- Programmatic dependent launch (sm_90+; no-ops before it and when a grid was launched
 // without the attribute) ------------------------------------------------------------------
 // A kernel that metrale/backends/launch.py launches with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_
-// STREAM_SERIALIZATION may start while the kernel before it in the stream still runs. The rule
-// every kernel here keeps (tests/test_kernels_compile.py checks that each entry point calls one
-// of these first):
+// STREAM_SERIALIZATION (METRALE_PDL=1: experimental, off by default) may start while the kernel
+// before it in the stream still runs. The rule every kernel here keeps
+// (tests/test_kernels_compile.py checks each entry point's PTX):
 //   * pdl_wait() before the first access to memory another kernel writes or reads (inputs,
 //     outputs, caches, scratch): it returns once the preceding grid has completed and its writes
 //     are visible. Completion is transitive: the preceding grid itself waited in every CTA.
 //   * only data no kernel writes (weights) may be read before it: gemv.cu issues its first
 //     round of weight loads, then waits, so the weight stream starts during the previous
 //     kernel's tail.
-//   * pdl_trigger() lets the next kernel be launched early (its CTAs then wait in pdl_wait()).
-//     It carries no memory ordering, so it may come first.
+// Launched plainly (the default), pdl_wait() returns at once.
+//
+// pdl_trigger() lets the next kernel launch before this one ends. MT_PDL_TRIGGER picks where
+// pdl_enter() issues it: 0 never (the default: the next kernel may start as this one's last
+// CTA exits), 1 before the wait, 2 after it. With 1 and 2, on the H200 (2026-11-30), PDL graph
+// replays read stale inputs now and then (tests/test_launch.py's chain test, the step-graph
+// serving tests) and the 35B-A3B hit an illegal address; a kernel that lets its successor start
+// early also lets a cuBLAS kernel that cuBLASLt launched with the attribute itself start early,
+// whatever METRALE_PDL says. So no kernel triggers early until that is understood (see
+// kernels_cuda/README.md, "Programmatic dependent launch").
 #ifndef MT_PDL_TRIGGER
-#define MT_PDL_TRIGGER 1   // where pdl_enter lets the next kernel launch: 1 before the wait, 2 after, 0 never
+#define MT_PDL_TRIGGER 0
 #endif
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -22,7 +22,7 @@
 // ksplit = 1 << ks_log2 warps; a row group owns R consecutive rows of w (outputs n0..n0+R-1),
 // its ksplit warps split k: lane `l` of slice `s` reads the 16-byte vectors v = s*32 + l +
 // j * 32*ksplit of each row (each warp-wide load is 512 contiguous bytes), U of them per row per
-// round (U = 4 at T <= 4, 2 at T = 8: registers), all R x U weight loads (then the T x U x
+// round (U = 4 at T <= 2, 2 at T >= 4: registers), all R x U weight loads (then the T x U x
 // loads) in flight before any FMA. One round covers 32 * ksplit * U * 8 elements of k (U = 4:
 // 1024 / 2048 / 4096 at ksplit 1 / 2 / 4). __launch_bounds__(128, 1): with the default
 // occupancy target ptxas sank each load next to its first use (checked in the SASS: one DRAM
@@ -42,7 +42,7 @@
 // launcher lets this grid start early the weight stream overlaps the previous kernel's tail.
 //
 // Bytes: n*k*2 (w, once) + nt*k*2 (x, from L2/L1) + nt*n*2 (y; x2 with accumulate).
-// FLOPs: 2*nt*n*k. Registers (sm_90): 72..210, no spills (tests/test_kernels_compile.py).
+// FLOPs: 2*nt*n*k. Registers (sm_90): 72..192, no spills (tests/test_kernels_compile.py).
 // Reference: cublasGemmEx (CUBLAS_COMPUTE_32F, op_T(w) @ x, column-major view), which the
 // autotuner checks every candidate against; tests/test_cuda_gemv.py checks against a cupy fp32
 // matmul.
@@ -55,9 +55,8 @@
 namespace {
 
 // 16-byte vectors per row per round and lane: 4, or 2 at T = 8 (the (R + T) x U vectors of a
-// round live in registers: 4 x (4 + 8) x 2 = 96 at T = 8, R = 4; 4 x (4 + 4) x 4 = 128 at T = 4:
-// more bytes in flight per lane, 2-3 CTAs per SM)
-__host__ __device__ constexpr int gemv_u(int T) { return T >= 8 ? 2 : 4; }
+// round live in registers: 4 x (4 + 8) x 2 = 96 at T = 8, R = 4)
+__host__ __device__ constexpr int gemv_u(int T) { return T >= 4 ? 2 : 4; }
 
 __device__ __forceinline__ float lo_f(uint32_t u, __nv_bfloat16) { return __uint_as_float(u << 16); }
 __device__ __forceinline__ float hi_f(uint32_t u, __nv_bfloat16) { return __uint_as_float(u & 0xffff0000u); }

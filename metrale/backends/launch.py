@@ -15,20 +15,20 @@ CuPy, unchanged. So is every call when the first launch of the process, a self-t
 (kernels_cuda/launch_selftest.cu) with arguments of every width in padding-forcing order, does
 not read back what it was given, or when METRALE_FAST_LAUNCH=0.
 
-Programmatic dependent launch (PDL, sm_90+): every kernel of kernels_cuda/ except the self-test
-starts with griddepcontrol (common.cuh: `pdl_enter`, or gemv.cu's weight prefetch then
-`pdl_wait`). Inside `pdl_capture()` (the decode and step graph captures, metrale/cuda_graphs.py)
-such a kernel is launched through cuLaunchKernelEx with
-CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION when the launch just before it was one of
-ours too: stream capture turns that into a programmatic edge, and on replay the kernel starts
-while its predecessor drains (its launch and first weight loads overlap that kernel's tail).
-Never for the first kernel of a capture, nor after a cuBLAS call or a CuPy memset / copy that our
-code issues (`foreign_launch()`): on the H200 a PDL launch straight after such an operation read
-its inputs too early (a graph whose first kernel carried the attribute replayed stale inputs; an
-MoE prefill whose routing counters were zeroed by a memset crashed), and one after cuBLAS made
-SmolLM2's C=16 steps ~7 % slower. Eager launches stay plain (they are host-bound: nothing to
-gain). Off with METRALE_PDL=0 or `--profile`, before sm_90, or when the self-test's PDL launch
-fails.
+Programmatic dependent launch (PDL, sm_90+; experimental, METRALE_PDL=1, off by default): every
+kernel of kernels_cuda/ except the self-test waits for its predecessor in-kernel (common.cuh:
+`pdl_enter`, or gemv.cu's first weight round then `pdl_wait`). Inside `pdl_capture()` (the decode
+and step graph captures, metrale/cuda_graphs.py) such a kernel is launched through
+cuLaunchKernelEx with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION when the launch just
+before it was one of ours too (never the first kernel of a capture, nor one after a cuBLAS call
+or a CuPy memset: `foreign_launch()`); capture turns that into a programmatic edge. Measured on
+the H200 (perf/results/pdl_experiments_20261130.json): with kernels that let their successor
+launch early (MT_PDL_TRIGGER 1), SmolLM2 decodes at C=1 in 0.63 ms a step instead of 0.92 and
+the 9B in 4.42 ms instead of 4.71; but graph replays then read stale inputs now and then and the
+35B-A3B hit an illegal address, so it stays off and the kernels do not trigger early
+(MT_PDL_TRIGGER 0: a successor starts as the last CTA exits; that build has not been
+correctness-tested with PDL on). Eager launches are always plain. Off under `--profile`, before
+sm_90, or when the self-test's PDL launch fails.
 """
 from __future__ import annotations
 
