@@ -79,6 +79,44 @@ def test_fast_kernel_hands_the_driver_each_value_at_its_param_pointer():
     assert seen["values"][1] == 5 and len(k._layouts) == 1
 
 
+def test_driver_binds_every_entry_point_and_names_errors(monkeypatch):
+    """_Driver on a stand-in libcuda (no GPU here): cuLaunchKernel, cuLaunchKernelEx and
+    cuGetErrorName are all bound, a failed launch status gets its driver name, and a PDL launch
+    hands cuLaunchKernelEx a config with the grid, block, stream and the one attribute."""
+    from metrale.backends import launch
+
+    class Fn:
+        def __init__(self, impl):
+            self.impl = impl
+
+        def __call__(self, *a):
+            return self.impl(*a)
+
+    seen = {}
+
+    def error_name(status, out):
+        out._obj.value = b"CUDA_ERROR_INVALID_VALUE" if status == 1 else None
+        return 0
+
+    def launch_ex(cfg, func, params, extra):
+        c = cfg._obj
+        attr = c.attrs[0]
+        seen["cfg"] = (c.gridDimX, c.gridDimY, c.gridDimZ, c.blockDimX, c.blockDimY, c.blockDimZ,
+                       c.sharedMemBytes, c.hStream, c.numAttrs, attr.id, attr.value, func)
+        return 0
+
+    fake = type("Lib", (), {})()
+    fake.cuLaunchKernel = Fn(lambda *a: 0)
+    fake.cuLaunchKernelEx = Fn(launch_ex)
+    fake.cuGetErrorName = Fn(error_name)
+    monkeypatch.setattr(launch.ctypes, "CDLL", lambda name: fake)
+    d = launch._Driver()
+    assert d.name(1) == "CUDA_ERROR_INVALID_VALUE"
+    assert d.launch_pdl(0xF00, 3, 2, 1, 128, 1, 1, 4096, 77, None) == 0
+    assert seen["cfg"] == (3, 2, 1, 128, 1, 1, 4096, 77, 1,
+                           launch.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1, 0xF00)
+
+
 def test_pdl_attribute_only_between_our_kernels_inside_a_capture(monkeypatch):
     """Which launches carry the PDL attribute (on the CPU, a stand-in driver records them): none
     outside pdl_capture(); inside, not the first kernel, not one after a foreign launch (cuBLAS,

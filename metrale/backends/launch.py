@@ -114,6 +114,9 @@ class _Driver:
         self.pdl_attr = LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
         self.pdl_cfg = LaunchConfig(attrs=ctypes.pointer(self.pdl_attr), numAttrs=1)
         self.pdl_cfg_ref = ctypes.byref(self.pdl_cfg)
+        self.error_name = lib.cuGetErrorName
+        self.error_name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        self.error_name.restype = ctypes.c_int
 
     def launch_pdl(self, func, gx, gy, gz, bx, by, bz, smem, stream, params) -> int:
         c = self.pdl_cfg
@@ -122,9 +125,6 @@ class _Driver:
         c.sharedMemBytes = smem
         c.hStream = stream
         return self.launch_ex(self.pdl_cfg_ref, func, params, None)
-        self.error_name = lib.cuGetErrorName
-        self.error_name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-        self.error_name.restype = ctypes.c_int
 
     def name(self, status: int) -> str:
         s = ctypes.c_char_p()
