@@ -107,10 +107,7 @@ class EngineCore:
             self.ops, self.model.vocab_size, max_batch=cfg.max_batch_size,
             num_slots=max(cfg.max_batch_size, num_slots), seed=cfg.seed)
         if cfg.profile:
-            from metrale.backends.launch import set_pdl
-
-            set_pdl(False)     # each op timed between events: no kernel may start early
-            log.info("--profile: CUDA graphs and programmatic dependent launch off, kernels run eagerly")
+            log.info("--profile: CUDA graphs off, kernels run eagerly")
             return
         graphs = DecodeGraphs(self.model, self.ops, self.caches, cfg.max_batch_size,
                               max_blocks_per_seq=-(-cfg.max_seq_len // cfg.block_size),

@@ -59,7 +59,7 @@ LEVERS: dict[str, Lever] = {lv.name: lv for lv in (
           "experimental: 1 = in captured CUDA graphs on sm_90+, each of our kernels that follows "
           "another of ours gets a programmatic edge (it may start while that one drains and "
           "waits for its inputs in-kernel); 0 = plain stream order (default: see "
-          "kernels_cuda/README.md on the races seen). Off under --profile"),
+          "kernels_cuda/README.md on the races seen)"),
     Lever("METRALE_CUDA_POISON", str, "", "metrale/backends/cuda.py",
           "1 = fill every new CUDA op output with NaN first (tests: catches unwritten outputs)"),
 )}

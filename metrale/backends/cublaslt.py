@@ -46,9 +46,9 @@ import math
 import time
 
 from metrale.backends import cublas as _cublas
-from metrale.backends.launch import foreign_launch
 from metrale.backends.cublas import (CUBLAS_COMPUTE_32F, CUBLAS_OP_N, CUBLAS_OP_T, CUDA_R_16BF, CUDA_R_16F,
                                     CUDA_R_32F, CublasError)
+from metrale.backends.launch import foreign_launch
 
 log = logging.getLogger("metrale.gemm")
 

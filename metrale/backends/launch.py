@@ -27,8 +27,8 @@ launch early (MT_PDL_TRIGGER 1), SmolLM2 decodes at C=1 in 0.63 ms a step instea
 the 9B in 4.42 ms instead of 4.71; but graph replays then read stale inputs now and then and the
 35B-A3B hit an illegal address, so it stays off and the kernels do not trigger early
 (MT_PDL_TRIGGER 0: a successor starts as the last CTA exits; that build has not been
-correctness-tested with PDL on). Eager launches are always plain. Off under `--profile`, before
-sm_90, or when the self-test's PDL launch fails.
+correctness-tested with PDL on). Eager launches are always plain (so `--profile`, which captures
+no graphs, runs without it). Off before sm_90 or when the self-test's PDL launch fails.
 """
 from __future__ import annotations
 
