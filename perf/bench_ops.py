@@ -29,6 +29,7 @@ of the first call. Writes perf/results/gemm_<date>_<commit>.json (and a copy und
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
 import logging
@@ -77,16 +78,18 @@ def time_gpu(fn, iters: int, warmup: int = 3) -> float:
     return cupy.cuda.get_elapsed_time(start, end) / 1e3 / iters
 
 
-def time_graph(fn, calls_per_graph: int, replays: int):
-    """Capture `calls_per_graph` calls of fn() in one graph; mean seconds per call over replays."""
+def time_graph(fn, calls_per_graph: int, replays: int, capture=contextlib.nullcontext):
+    """Capture `calls_per_graph` calls of fn() in one graph (inside the context `capture()`);
+    mean seconds per call over replays."""
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         fn()
         fn()
         stream.synchronize()
         stream.begin_capture()
-        for _ in range(calls_per_graph):
-            fn()
+        with capture():
+            for _ in range(calls_per_graph):
+                fn()
         graph = stream.end_capture()
         graph.launch(stream)
         stream.synchronize()

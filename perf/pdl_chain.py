@@ -43,27 +43,11 @@ FOOTPRINT = 400e6
 
 
 def graph_time(body, calls: int, reps: int, pdl: bool) -> float:
-    """Seconds per call: `body()` (issuing `calls` calls) captured once with PDL on or off, the
-    graph replayed `reps` times after one warm replay."""
+    """Seconds per call: `body()` (issuing `calls` calls) captured once with PDL on or off
+    (bench_ops.time_graph: two eager runs first, which tune new shapes), replayed `reps` times."""
     prev = launch.set_pdl(pdl)
     try:
-        stream = cupy.cuda.Stream(non_blocking=True)
-        with stream:
-            body()                                  # eager: tunes new shapes, fills the pool
-            stream.synchronize()
-            stream.begin_capture()
-            with launch.pdl_capture():
-                body()
-            graph = stream.end_capture()
-            graph.launch(stream)
-            stream.synchronize()
-            start, end = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record(stream)
-            for _ in range(reps):
-                graph.launch(stream)
-            end.record(stream)
-            end.synchronize()
-        return cupy.cuda.get_elapsed_time(start, end) / 1e3 / (reps * calls)
+        return bo.time_graph(body, 1, reps, capture=launch.pdl_capture) / calls
     finally:
         launch.set_pdl(prev)
 
