@@ -408,10 +408,11 @@ def main(argv=None) -> int:
 
 def write_record(args, prefix: str, record: dict) -> Path:
     """perf results JSON: commit, date, shape and workload first, then the figures."""
+    from metrale import levers
     record = dict(commit=git_commit(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                   shape=args.shape, model_config=SHAPES[args.shape], dtype="bfloat16",
                   isl=args.isl, osl=args.osl, reps=args.reps, prefill_graphs=args.prefill_graphs,
-                  pdl=os.environ.get("METRALE_PDL", "1"), **record)
+                  pdl=levers.get("METRALE_PDL"), **record)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
