@@ -10,6 +10,7 @@
 #   BUNDLE=1 ...  pack everything under OUTDIR into OUTDIR/bundle.tgz (the device returns 8 files)
 #   MOE_BENCH=1 / GEMM_BENCH=1 / PDL_BENCH=1 ...  with SKIP_OPS: just the MoE / decode-GEMM op
 #     benchmarks / the GEMM chains with PDL off and on (perf/pdl_chain.py; PDL_TS="1,4" picks t)
+#   GEMM_NCU=1 ...  with SKIP_OPS: Nsight Compute counters of the 9B decode GEMMs (perf/gemm_ncu.py)
 #   LADDER_ARGS="--prefill-graphs on" ...  extra perf/ladder.py arguments for every ladder
 #
 # Wheels the GPU image lacks (pyzmq, falcon, gunicorn, orjson) are installed from ./.whl when it
@@ -73,6 +74,13 @@ if [ -n "${PDL_BENCH:-}" ]; then
 echo "== decode GEMMs in a chain, PDL off / on"
 "$PY" perf/pdl_chain.py --out "$OUTDIR" ${PDL_TS:+--ts $PDL_TS} 2>&1 | tee "$OUTDIR/pdl_chain.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+if [ -n "${GEMM_NCU:-}" ]; then
+echo "== decode GEMM counters (ncu)"
+ncu --clock-control none --target-processes all --profile-from-start off --csv \
+  --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sector_hit_rate.pct,sm__cycles_active.avg,sm__cycles_active.max,sm__cycles_active.min,gpc__cycles_elapsed.max,launch__grid_size,launch__block_size,launch__registers_per_thread,launch__shared_mem_per_block_dynamic,launch__occupancy_limit_registers \
+  "$PY" perf/gemm_ncu.py > "$OUTDIR/gemm_ncu.csv" 2> "$OUTDIR/gemm_ncu.log"
+[ $? -eq 0 ] || status=1
 fi
 if [ -n "${GEMM_BENCH:-}" ]; then
 echo "== decode GEMM benchmark"
