@@ -931,6 +931,7 @@ extern "C" __global__ void decode_reduce(const float* __restrict__ part_o, const
         for (int p = 0; p < np; ++p) o += part_o[(base + p) * D + d] * exp2f(part_m[base + p] - M);
         out[(t * Hq + h) * D + d] = __float2bfloat16_rn(o * inv);
     }
+    mt::pdl_exit();
 }
 
 #define MT_ATTN(D, BK)                                                                               \
@@ -942,6 +943,7 @@ extern "C" __global__ void decode_reduce(const float* __restrict__ part_o, const
         decode_attn_impl<D, BK>(q, qs_t, qs_h, k_cache, v_cache, block_tables, bt_stride, seq_lens, \
                                 qsl, out, part_o, part_m, part_l, Hk, G, gcap, nchunks, block_size,  \
                                 part_tokens, nparts, scale_log2);                                    \
+        mt::pdl_exit();                                                                              \
     }                                                                                                \
     extern "C" __global__ void __launch_bounds__(256) prefill_attn_d##D(                             \
         const bf16* q, long long qs_t, long long qs_h, const bf16* k_cache, const bf16* v_cache,    \
@@ -949,6 +951,7 @@ extern "C" __global__ void decode_reduce(const float* __restrict__ part_o, const
         const int* work, bf16* out, int Hk, int G, int BQ, int block_size, float scale_log2) { mt::pdl_enter(); \
         prefill_attn_impl<D, BK>(q, qs_t, qs_h, k_cache, v_cache, block_tables, bt_stride, seq_lens, \
                                  qsl, work, out, Hk, G, BQ, block_size, scale_log2);                 \
+        mt::pdl_exit();                                                                              \
     }
 
 MT_ATTN(64, 64)
@@ -965,6 +968,7 @@ MT_ATTN(256, 32)
         const int* work, bf16* out, int Hk, int G, int BQ, int block_size, float scale_log2) { mt::pdl_enter(); \
         prefill_mma_impl<D, BN, 8, QREG>(q, qs_t, qs_h, k_cache, v_cache, block_tables, bt_stride,  \
                                          seq_lens, qsl, work, out, Hk, G, BQ, block_size, scale_log2); \
+        mt::pdl_exit();                                                                                \
     }
 #define MT_DECODE_MMA(D, NH, STAGES)                                                                  \
     extern "C" __global__ void __launch_bounds__(128) decode_mma_d##D##_h##NH(                       \
@@ -975,6 +979,7 @@ MT_ATTN(256, 32)
         decode_mma_impl<D, NH, STAGES>(q, qs_t, qs_h, k_cache, v_cache, block_tables, bt_stride,     \
                                        seq_lens, qsl, out, part_o, part_m, part_l, Hk, G, nchunks,   \
                                        block_size, part_tokens, nparts, scale_log2);                 \
+        mt::pdl_exit();                                                                              \
     }
 
 MT_PREFILL_MMA(64, 64, true)

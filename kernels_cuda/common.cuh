@@ -46,14 +46,15 @@ template <typename T> struct Vec16 {
 //     kernel's tail.
 // Launched plainly (the default), pdl_wait() returns at once.
 //
-// pdl_trigger() lets the next kernel launch before this one ends. MT_PDL_TRIGGER picks where
-// pdl_enter() issues it: 0 never (the default: the next kernel may start as this one's last
-// CTA exits), 1 before the wait, 2 after it. With 1 and 2, on the H200 (2026-11-30), PDL graph
-// replays read stale inputs now and then (tests/test_launch.py's chain test, the step-graph
-// serving tests) and the 35B-A3B hit an illegal address; a kernel that lets its successor start
-// early also lets a cuBLAS kernel that cuBLASLt launched with the attribute itself start early,
-// whatever METRALE_PDL says. So no kernel triggers early until that is understood (see
-// kernels_cuda/README.md, "Programmatic dependent launch").
+// pdl_trigger() lets the next kernel launch before this one ends. MT_PDL_TRIGGER picks where the
+// kernels issue it: 0 never (the default: the next kernel may start as this one's last CTA
+// exits), 1 at entry before the wait, 2 right after the wait, 3 at the end of the entry point
+// (after the thread's last store: pdl_exit(), the usual placement elsewhere). With 1 and 2, on
+// the H200 (2026-11-30), PDL graph replays read stale inputs now and then (tests/test_launch.py's
+// chain test, the step-graph serving tests) and the 35B-A3B hit an illegal address; a kernel
+// that lets its successor start early also lets a cuBLAS kernel that cuBLASLt launched with the
+// attribute itself start early, whatever METRALE_PDL says. So no kernel triggers until that is
+// understood (kernels_cuda/README.md, "Programmatic dependent launch"; perf/pdl_race.sh).
 #ifndef MT_PDL_TRIGGER
 #define MT_PDL_TRIGGER 0
 #endif
@@ -63,8 +64,14 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 __device__ __forceinline__ void pdl_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && MT_PDL_TRIGGER != 0
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+// right after a kernel's wait (gemv.cu, whose wait follows its first weight loads)
+__device__ __forceinline__ void pdl_after_wait() {
+#if MT_PDL_TRIGGER == 1 || MT_PDL_TRIGGER == 2
+    pdl_trigger();
 #endif
 }
 // the entry of every kernel with nothing to do before its inputs are ready
@@ -74,6 +81,12 @@ __device__ __forceinline__ void pdl_enter() {
 #endif
     pdl_wait();
 #if MT_PDL_TRIGGER == 2
+    pdl_trigger();
+#endif
+}
+// the last statement of every entry point
+__device__ __forceinline__ void pdl_exit() {
+#if MT_PDL_TRIGGER == 3
     pdl_trigger();
 #endif
 }

@@ -332,16 +332,19 @@ __device__ void bias_add_impl(T* __restrict__ y, const T* __restrict__ b, long l
     extern "C" __global__ void embedding_##SUF(const int* ids, const T* table, T* out, int H,          \
                                                long long V, int vec) { mt::pdl_enter();                \
         embedding_impl<T>(ids, table, out, H, V, vec);                                                 \
+        mt::pdl_exit();                                                                                \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(1024) rms_norm_vec_##SUF(                            \
         const T* x, long long xs, const T* res, long long rs, const T* w, T* out, T* res_out, int H,   \
         float eps, float offset) { mt::pdl_enter();                                                    \
         rms_norm_vec_impl<T, 4>(x, xs, res, rs, w, out, res_out, H, eps, offset);                      \
+        mt::pdl_exit();                                                                                \
     }                                                                                                  \
     extern "C" __global__ void rms_norm_scalar_##SUF(const T* x, long long xs, const T* res,           \
                                                      long long rs, const T* w, T* out, T* res_out,     \
                                                      int H, float eps, float offset) { mt::pdl_enter(); \
         rms_norm_scalar_impl<T>(x, xs, res, rs, w, out, res_out, H, eps, offset);                      \
+        mt::pdl_exit();                                                                                \
     }                                                                                                  \
     extern "C" __global__ void head_norm_rope_##SUF(                                                  \
         const T* x, long long xs_t, long long xs_h, T* y, long long ys_t, long long ys_h, int ntok,    \
@@ -349,6 +352,7 @@ __device__ void bias_add_impl(T* __restrict__ y, const T* __restrict__ b, long l
         const float* inv_freq, int rot) { mt::pdl_enter();                                             \
         head_norm_rope_impl<T>(x, xs_t, xs_h, y, ys_t, ys_h, ntok, nheads, D, w, eps, offset,          \
                                positions, inv_freq, rot);                                              \
+        mt::pdl_exit();                                                                                \
     }                                                                                                  \
     extern "C" __global__ void qk_norm_rope_kv_##SUF(                                                 \
         const T* q, long long qs_t, long long qs_h, const T* k, long long ks_t, long long ks_h,        \
@@ -358,15 +362,18 @@ __device__ void bias_add_impl(T* __restrict__ y, const T* __restrict__ b, long l
         qk_norm_rope_kv_impl<T>(q, qs_t, qs_h, k, ks_t, ks_h, v, vs_t, vs_h, q_out, k_cache, v_cache,  \
                                 slot_mapping, ntok, Hq, Hk, D, qw, kw, eps, offset, positions,         \
                                 inv_freq, rot);                                                        \
+        mt::pdl_exit();                                                                                \
     }                                                                                                  \
     extern "C" __global__ void silu_mul_##SUF(const T* x, long long xs, T* y, long long rows, int I,   \
                                               int vec) { mt::pdl_enter();                              \
         silu_mul_impl<T>(x, xs, y, rows, I, vec);                                                      \
+        mt::pdl_exit();                                                                                \
     }                                                                                                  \
     extern "C" __global__ void sigmoid_mul_##SUF(const T* x, long long xa, long long xb, const T* g,   \
                                                  long long ga, long long gb, long long gc, T* y,       \
                                                  long long A, int B, int C, int vec) { mt::pdl_enter(); \
         sigmoid_mul_impl<T>(x, xa, xb, g, ga, gb, gc, y, A, B, C, vec);                                \
+        mt::pdl_exit();                                                                                \
     }                                                                                                  \
     extern "C" __global__ void write_kv_##SUF(const T* k, long long ks_t, long long ks_h, const T* v,  \
                                               long long vs_t, long long vs_h, T* k_cache, T* v_cache,  \
@@ -374,9 +381,11 @@ __device__ void bias_add_impl(T* __restrict__ y, const T* __restrict__ b, long l
                                               int vec) { mt::pdl_enter();                              \
         write_kv_impl<T>(k, ks_t, ks_h, v, vs_t, vs_h, k_cache, v_cache, slot_mapping, ntok, Hk, D,    \
                          vec);                                                                         \
+        mt::pdl_exit();                                                                                \
     }                                                                                                  \
     extern "C" __global__ void bias_add_##SUF(T* y, const T* b, long long rows, int n) { mt::pdl_enter(); \
         bias_add_impl<T>(y, b, rows, n);                                                               \
+        mt::pdl_exit();                                                                                \
     }
 
 MT_ELEMENTWISE(bf16, __nv_bfloat16)

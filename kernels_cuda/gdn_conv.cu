@@ -113,6 +113,7 @@ __device__ __forceinline__ void gated_rms_norm(const T* __restrict__ x, const T*
         const T* x, long long sx, const float* w, S* state, T* out, const int* qsl,            \
         const int* seq_lens, const int* slots, int B, int C, int seg) { mt::pdl_enter();       \
         gdn_conv<T, S, 4>(x, sx, w, state, out, qsl, seq_lens, slots, B, C, seg);              \
+        mt::pdl_exit();                                                                        \
     }
 CONV_INST(__nv_bfloat16, __nv_bfloat16, bf16_bf16)
 CONV_INST(__nv_bfloat16, float, bf16_f32)
@@ -123,6 +124,7 @@ CONV_INST(float, float, f32_f32)
         const T* x, const T* z, long long zs, int zh, const float* w, T* out, int rows, int D, \
         float eps) { mt::pdl_enter();                                                          \
         gated_rms_norm<T>(x, z, zs, zh, w, out, rows, D, eps);                                 \
+        mt::pdl_exit();                                                                        \
     }
 GRN_INST(__nv_bfloat16, bf16)
 GRN_INST(float, f32)

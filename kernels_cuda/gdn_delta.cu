@@ -470,6 +470,7 @@ __device__ __forceinline__ void gdn_gates(const T* __restrict__ a, const T* __re
     extern "C" __global__ void __launch_bounds__(RecShape<DK, DV>::NT)                            \
         gdn_recurrent_##DK##x##DV##_##NAME(GDN_ARGS(T, S)) { mt::pdl_enter();                    \
         gdn_recurrent<T, DK, DV, false, S>(GDN_PASS);                                            \
+        mt::pdl_exit();                                                                          \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(RecShape<DK, DV>::NT)                            \
         gdn_recurrent_gates_##DK##x##DV##_##NAME(                                                \
@@ -480,10 +481,12 @@ __device__ __forceinline__ void gdn_gates(const T* __restrict__ a, const T* __re
         gdn_recurrent<T, DK, DV, true, S>(q, k, v, sq, sk, sv, nullptr, nullptr, state, o, qsl,  \
                                           seq_lens, slots, Hk, Hv, ga, gb, sa, sb, A_log,        \
                                           dt_bias);                                              \
+        mt::pdl_exit();                                                                          \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(CNT, 1)                                          \
         gdn_chunked_##DK##x##DV##_##NAME(GDN_ARGS(T, S)) { mt::pdl_enter();                      \
         gdn_chunked<T, DK, DV, S>(GDN_PASS);                                                     \
+        mt::pdl_exit();                                                                          \
     }
 
 #define GDN_INST_ALL(T, S, NAME)   \
@@ -505,6 +508,7 @@ GDN_INST_ALL(__nv_bfloat16, __nv_bfloat16, bf16_sbf16)
                                                const float* A_log, const float* dt_bias,          \
                                                float* g, float* beta, int T_, int Hv) { mt::pdl_enter(); \
         gdn_gates<T>(a, b, sa, sb, A_log, dt_bias, g, beta, T_, Hv);                              \
+        mt::pdl_exit();                                                                           \
     }
 GATES_INST(__nv_bfloat16, bf16)
 GATES_INST(float, f32)

@@ -130,7 +130,7 @@ __device__ __forceinline__ void gemv(const E* __restrict__ x, long long x_ld, co
         // (programmatic dependent launch, common.cuh): only w, which no kernel writes
         if (!waited) {
             mt::pdl_wait();
-            mt::pdl_trigger();
+            mt::pdl_after_wait();
             waited = true;
         }
         // x after w: if the compiler defers loads, these (L1 / L2 hits: x is tiny and every warp
@@ -149,7 +149,7 @@ __device__ __forceinline__ void gemv(const E* __restrict__ x, long long x_ld, co
 
     if (!waited) {   // a lane with no vector of k: it may still store an output
         mt::pdl_wait();
-        mt::pdl_trigger();
+        mt::pdl_after_wait();
     }
 
     // lane j keeps output j = t * R + r (selected with constant indices: acc stays in registers)
@@ -182,6 +182,7 @@ __device__ __forceinline__ void gemv(const E* __restrict__ x, long long x_ld, co
                                  long long w_ld, E* __restrict__ y, long long y_ld, int nt, int n, int k, \
                                  int ks_log2, int accumulate) {                                         \
         gemv<T, R, E>(x, x_ld, w, w_ld, y, y_ld, nt, n, k, ks_log2, accumulate);                        \
+        mt::pdl_exit();                                                                                 \
     }
 
 #define MT_GEMV_T(T)                      \

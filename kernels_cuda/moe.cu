@@ -472,6 +472,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_scan(const int* counts, i
                                                             int* offsets, int* tile_expert,
                                                             int* tile_row0) { mt::pdl_enter();
     moe_scan_impl(counts, E, max_tiles, BM, offsets, tile_expert, tile_row0);
+    mt::pdl_exit();
 }
 
 // moe_scan with tiles of `bm` rows (the tensor-core GEMMs: 16 or 64).
@@ -480,6 +481,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_scan_tiles(const int* cou
                                                                   int* offsets, int* tile_expert,
                                                                   int* tile_row0) { mt::pdl_enter();
     moe_scan_impl(counts, E, max_tiles, bm, offsets, tile_expert, tile_row0);
+    mt::pdl_exit();
 }
 
 extern "C" __global__ void moe_scatter(const int* ids, int P, const int* offsets, int* fill,
@@ -490,6 +492,7 @@ extern "C" __global__ void moe_scatter(const int* ids, int P, const int* offsets
     const int pos = offsets[e] + atomicAdd(&fill[e], 1);
     sorted_pair[pos] = p;
     pair_pos[p] = pos;
+    mt::pdl_exit();
 }
 
 // moe_plan: moe_route + moe_scan_tiles + moe_scatter in one CTA of 1024 threads, for steps of
@@ -613,6 +616,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) moe_gemv_gate_up(
 #pragma unroll
         for (int r = 0; r < NO; ++r)
             act[(long long)pos * I + j0 + r] = __float2bfloat16_rn(mt::silu(acc[r]) * acc[NO + r]);
+    mt::pdl_exit();
 }
 
 // moe_gemv_down_combine: out [T, H] = sum_j wts[t*kk + j] * (down[e] [H, I] act[pos]) over the
@@ -697,6 +701,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) moe_gemv_down_combine(
     if ((threadIdx.x & 31) == 0)
 #pragma unroll
         for (int r = 0; r < DC_ROWS; ++r) out[(long long)t * H + n0 + r] = __float2bfloat16_rn(tot[r]);
+    mt::pdl_exit();
 }
 
 #define MOE_INST(T, SUF)                                                                          \
@@ -704,6 +709,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) moe_gemv_down_combine(
         const T* logits, int T_, int E, int k, int renorm, int shared, int* ids, float* wts,      \
         int* counts) { mt::pdl_enter();                                                           \
         moe_route<T>(logits, T_, E, k, renorm, shared, ids, wts, counts);                         \
+        mt::pdl_exit();                                                                           \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(1024) moe_plan_##SUF(                            \
         const T* logits, int T_, int E, int k, int renorm, int shared, int nwr, int max_tiles,    \
@@ -711,21 +717,25 @@ extern "C" __global__ void __launch_bounds__(128, 1) moe_gemv_down_combine(
         int* pair_pos, int* ids) { mt::pdl_enter();                                               \
         moe_plan<T>(logits, T_, E, k, renorm, shared, nwr, max_tiles, bm, wts, offsets,           \
                     tile_expert, tile_row0, sorted_pair, pair_pos, ids);                          \
+        mt::pdl_exit();                                                                           \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(GNT) moe_gemm_gate_up_##SUF(                     \
         const T* x, const int* sorted_pair, int topk, const T* gate_up, int I, int H,             \
         const int* tile_expert, const int* tile_row0, const int* offsets, T* act) { mt::pdl_enter(); \
         moe_gemm<T, true>(x, sorted_pair, topk, gate_up, I, H, tile_expert, tile_row0, offsets,   \
                           act);                                                                   \
+        mt::pdl_exit();                                                                           \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(GNT) moe_gemm_down_##SUF(                        \
         const T* act, const T* down, int H, int I, const int* tile_expert, const int* tile_row0,  \
         const int* offsets, T* y) { mt::pdl_enter();                                              \
         moe_gemm<T, false>(act, nullptr, 1, down, H, I, tile_expert, tile_row0, offsets, y);      \
+        mt::pdl_exit();                                                                           \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(256) moe_combine_##SUF(                          \
         const T* y, const int* pair_pos, const float* wts, int k, int H, T* out) { mt::pdl_enter(); \
         moe_combine<T>(y, pair_pos, wts, k, H, out);                                              \
+        mt::pdl_exit();                                                                           \
     }
 MOE_INST(__nv_bfloat16, bf16)
 MOE_INST(float, f32)
@@ -738,6 +748,7 @@ MOE_INST(float, f32)
         __nv_bfloat16* out) { mt::pdl_enter();                                                    \
         moe_mma_gemm<GATED, MT, NTW, ST>(a, sorted_pair, topk, w, N, K, tile_expert, tile_row0,   \
                                          offsets, out);                                           \
+        mt::pdl_exit();                                                                           \
     }
 // Tilings: moe_mma_<gate_up|down>_m<MT>_n<NTW>_s<STAGES> (the host picks one through MOE_MMA in
 // metrale/backends/cuda_gdn.py; perf/moe_tune.py times the rest). Shared memory per CTA:

@@ -289,6 +289,7 @@ extern "C" __global__ void __launch_bounds__(SNT) sample_select_f32(const float*
                                                                     const int* prm, int* counts,
                                                                     int* out, int OW) { mt::pdl_enter();
     sample_select(work, V, prm, counts, out, OW);
+    mt::pdl_exit();
 }
 
 #define SAMPLE_INST(T, SUF)                                                                     \
@@ -296,10 +297,12 @@ extern "C" __global__ void __launch_bounds__(SNT) sample_select_f32(const float*
         const T* logits, long long ld, const int* prm, const int* counts,                       \
         const unsigned char* prompt, float* work, int V) { mt::pdl_enter();                     \
         sample_prepare<T>(logits, ld, prm, counts, prompt, work, V);                            \
+        mt::pdl_exit();                                                                         \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(SNT) sample_logprobs_##SUF(                    \
         const T* logits, long long ld, int V, const int* prm, int* out, int OW, int K) { mt::pdl_enter(); \
         sample_logprobs<T>(logits, ld, V, prm, out, OW, K);                                     \
+        mt::pdl_exit();                                                                         \
     }
 SAMPLE_INST(__nv_bfloat16, bf16)
 SAMPLE_INST(float, f32)

@@ -12,6 +12,8 @@
 #   trig1     MT_PDL_TRIGGER 1 (trigger at kernel entry): the build that raced
 #   trig1_blas  trig1 with METRALE_GEMM_TUNE=0 (every GEMM a cuBLAS call, no GEMV): hypothesis 1
 #               (cuBLASLt's own PDL launches start early after our trigger) predicts more failures
+#   trig3     MT_PDL_TRIGGER 3 (trigger at the end of each entry point, after its stores): if
+#             hypothesis 1 holds, this placement is safe and keeps part of the gain
 #   trig1_cg  trig1 with `__restrict__` defined away and the 16-byte loads as ld.global.cg (PTX
 #             checked on the CPU: no ld.global.nc left but 1-2 in the two rope kernels):
 #             hypothesis 2 (ld.global.nc under PDL) predicts no failures
@@ -35,6 +37,7 @@ variant_dir() {   # $1 variant -> a kernels dir
   rm -rf "$d"; cp -r kernels_cuda "$d"
   case $1 in
     trig1|trig1_blas) sed -i 's/^#define MT_PDL_TRIGGER 0$/#define MT_PDL_TRIGGER 1/' "$d/common.cuh" ;;
+    trig3) sed -i 's/^#define MT_PDL_TRIGGER 0$/#define MT_PDL_TRIGGER 3/' "$d/common.cuh" ;;
     trig1_cg) sed -i 's/^#define MT_PDL_TRIGGER 0$/#define MT_PDL_TRIGGER 1/; s/ld\.global\.nc\.L1::no_allocate\.v4\.u32/ld.global.cg.v4.u32/; s/ld\.global\.nc\.v4\.u32/ld.global.cg.v4.u32/' "$d/common.cuh"
               sed -i '0,/^#pragma once/s//#pragma once\n#define __restrict__/' "$d/common.cuh" ;;
   esac
@@ -46,9 +49,10 @@ count() {   # $1 failed|passed, $2 a pytest log -> the number in its summary lin
 }
 
 summary="{"
-for v in ${VARIANTS:-default trig1 trig1_blas trig1_cg}; do
+for v in ${VARIANTS:-default trig1 trig3 trig1_blas trig1_cg}; do
   kd=$(variant_dir "$v")
-  grep -q "MT_PDL_TRIGGER $([ "$v" = default ] && echo 0 || echo 1)" "$kd/common.cuh" || echo "variant $v: trigger edit failed"
+  want=1; [ "$v" = default ] && want=0; [ "$v" = trig3 ] && want=3
+  grep -q "^#define MT_PDL_TRIGGER $want\$" "$kd/common.cuh" || echo "variant $v: trigger edit failed"
   extra=""; [ "$v" = trig1_blas ] && extra="METRALE_GEMM_TUNE=0"
   cf=0; cp=0
   for i in $(seq "$REPS"); do
