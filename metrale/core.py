@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from metrale.backends import make_ops
+from metrale.backends.launch import pdl_enabled
 from metrale.backends.profiling import ProfiledOps
 from metrale.cache.kv import ModelCaches
 from metrale.cache.swap import SwapSpace
@@ -114,8 +115,6 @@ class EngineCore:
                               spare_block=num_blocks, spare_slot=num_slots)
         graphs.capture()
         self.runner.graphs = graphs
-        from metrale.backends.launch import pdl_enabled
-
         log.info("captured %d decode graphs (batch buckets %s); graph memory pool %.1f MiB; "
                  "programmatic dependent launch %s", len(graphs.graphs), sorted(graphs.graphs),
                  graphs.pool.total_bytes() / 2**20, "on" if pdl_enabled() else "off")
