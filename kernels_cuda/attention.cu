@@ -46,7 +46,7 @@ namespace {
 constexpr int kMaxG = 16;  // q heads per decode CTA
 
 // One 16-byte tile row chunk of the paged cache: token `tok` of sequence `b`, kv head `kvh`.
-__device__ __forceinline__ const bf16* kv_row(const bf16* cache, const int* __restrict__ bt_row,
+__device__ __forceinline__ const bf16* kv_row(const bf16* cache, const int* bt_row,
                                               int tok, int block_size, int Hk, int kvh, int D) {
     const long long blk = bt_row[tok / block_size];
     const long long slot = blk * block_size + tok % block_size;
@@ -55,7 +55,7 @@ __device__ __forceinline__ const bf16* kv_row(const bf16* cache, const int* __re
 
 template <int D, int BK, int NT>
 __device__ __forceinline__ void load_kv_tile(bf16* Ks, bf16* Vs, const bf16* k_cache, const bf16* v_cache,
-                                             const int* __restrict__ bt_row, int j0, int kv_end,
+                                             const int* bt_row, int j0, int kv_end,
                                              int block_size, int Hk, int kvh) {
     constexpr int LDS = D + 8, CH = D / 8;
     for (int c = threadIdx.x; c < BK * CH; c += NT) {
@@ -75,12 +75,12 @@ __device__ __forceinline__ void load_kv_tile(bf16* Ks, bf16* Vs, const bf16* k_c
 
 // ---------------------------------------------------------------------------------------------
 template <int D, int BK>
-__device__ void decode_attn_impl(const bf16* __restrict__ q, long long qs_t, long long qs_h,
-                                 const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
-                                 const int* __restrict__ block_tables, int bt_stride,
-                                 const int* __restrict__ seq_lens, const int* __restrict__ qsl,
-                                 bf16* __restrict__ out, float* __restrict__ part_o,
-                                 float* __restrict__ part_m, float* __restrict__ part_l, int Hk, int G,
+__device__ void decode_attn_impl(const bf16* q, long long qs_t, long long qs_h,
+                                 const bf16* k_cache, const bf16* v_cache,
+                                 const int* block_tables, int bt_stride,
+                                 const int* seq_lens, const int* qsl,
+                                 bf16* out, float* part_o,
+                                 float* part_m, float* part_l, int Hk, int G,
                                  int gcap, int nchunks, int block_size, int part_tokens, int nparts,
                                  float scale_log2) {
     constexpr int NT = 128, LDS = D + 8, CH = D / 8;
@@ -247,11 +247,11 @@ __device__ void decode_attn_impl(const bf16* __restrict__ q, long long qs_t, lon
 
 // ---------------------------------------------------------------------------------------------
 template <int D, int BK>
-__device__ void prefill_attn_impl(const bf16* __restrict__ q, long long qs_t, long long qs_h,
-                                  const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
-                                  const int* __restrict__ block_tables, int bt_stride,
-                                  const int* __restrict__ seq_lens, const int* __restrict__ qsl,
-                                  const int* __restrict__ work, bf16* __restrict__ out, int Hk, int G,
+__device__ void prefill_attn_impl(const bf16* q, long long qs_t, long long qs_h,
+                                  const bf16* k_cache, const bf16* v_cache,
+                                  const int* block_tables, int bt_stride,
+                                  const int* seq_lens, const int* qsl,
+                                  const int* work, bf16* out, int Hk, int G,
                                   int BQ, int block_size, float scale_log2) {
     constexpr int NT = 256, R = 64, LDS = D + 8, CH = D / 8;
     constexpr int RPT = 4;                  // rows per thread: rg + 16 * i
@@ -473,11 +473,11 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 // the A operand of P V straight from the S accumulators. Causal mask only on tiles that cross
 // the diagonal of the CTA's first token.
 template <int D, int BN, int NW, bool QREG>
-__device__ void prefill_mma_impl(const bf16* __restrict__ q, long long qs_t, long long qs_h,
-                                 const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
-                                 const int* __restrict__ block_tables, int bt_stride,
-                                 const int* __restrict__ seq_lens, const int* __restrict__ qsl,
-                                 const int* __restrict__ work, bf16* __restrict__ out, int Hk, int G,
+__device__ void prefill_mma_impl(const bf16* q, long long qs_t, long long qs_h,
+                                 const bf16* k_cache, const bf16* v_cache,
+                                 const int* block_tables, int bt_stride,
+                                 const int* seq_lens, const int* qsl,
+                                 const int* work, bf16* out, int Hk, int G,
                                  int BQ, int block_size, float scale_log2) {
     constexpr int NT = NW * 32, BM = NW * 16, LDS = D + 8, CH = D / 8;
     constexpr int KS = D / 16;   // k-steps of Q K^T
@@ -695,12 +695,12 @@ __device__ void prefill_mma_impl(const bf16* __restrict__ q, long long qs_t, lon
 // merged through shared memory at the end. Per-thread softmax sums are kept partial (this lane's
 // keys) and reduced once.
 template <int D, int NH, int STAGES>
-__device__ void decode_mma_impl(const bf16* __restrict__ q, long long qs_t, long long qs_h,
-                                const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
-                                const int* __restrict__ block_tables, int bt_stride,
-                                const int* __restrict__ seq_lens, const int* __restrict__ qsl,
-                                bf16* __restrict__ out, float* __restrict__ part_o,
-                                float* __restrict__ part_m, float* __restrict__ part_l, int Hk, int G,
+__device__ void decode_mma_impl(const bf16* q, long long qs_t, long long qs_h,
+                                const bf16* k_cache, const bf16* v_cache,
+                                const int* block_tables, int bt_stride,
+                                const int* seq_lens, const int* qsl,
+                                bf16* out, float* part_o,
+                                float* part_m, float* part_l, int Hk, int G,
                                 int nchunks, int block_size, int part_tokens, int nparts, float scale_log2) {
     constexpr int NW = 4, NT = NW * 32, TK = 16, LDS = D + 8, CH = D / 8, KS = D / 16;
     constexpr int HPC = 8 * NH;                    // q heads per CTA
@@ -912,9 +912,9 @@ __device__ void decode_mma_impl(const bf16* __restrict__ q, long long qs_t, long
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
-extern "C" __global__ void decode_reduce(const float* __restrict__ part_o, const float* __restrict__ part_m,
-                                         const float* __restrict__ part_l, const int* __restrict__ seq_lens,
-                                         const int* __restrict__ qsl, bf16* __restrict__ out, int Hq, int D,
+extern "C" __global__ void decode_reduce(const float* part_o, const float* part_m,
+                                         const float* part_l, const int* seq_lens,
+                                         const int* qsl, bf16* out, int Hq, int D,
                                          int part_tokens, int nparts) { mt::pdl_enter();
     const int b = blockIdx.x, h = blockIdx.y;
     const int seq_len = seq_lens[b];

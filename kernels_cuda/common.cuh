@@ -47,14 +47,18 @@ template <typename T> struct Vec16 {
 // Launched plainly (the default), pdl_wait() returns at once.
 //
 // pdl_trigger() lets the next kernel launch before this one ends. MT_PDL_TRIGGER picks where the
-// kernels issue it: 0 never (the default: the next kernel may start as this one's last CTA
-// exits), 1 at entry before the wait, 2 right after the wait, 3 at the end of the entry point
-// (after the thread's last store: pdl_exit(), the usual placement elsewhere). With 1 and 2, on
-// the H200 (2026-11-30), PDL graph replays read stale inputs now and then (tests/test_launch.py's
-// chain test, the step-graph serving tests) and the 35B-A3B hit an illegal address; a kernel
-// that lets its successor start early also lets a cuBLAS kernel that cuBLASLt launched with the
-// attribute itself start early, whatever METRALE_PDL says. So no kernel triggers until that is
-// understood (kernels_cuda/README.md, "Programmatic dependent launch"; perf/pdl_race.sh).
+// kernels issue it: 0 never (the next kernel may start as this one's last CTA exits), 1 at entry
+// before the wait, 2 right after the wait, 3 at the end of the entry point (pdl_exit()).
+//
+// The read-only (non-coherent) path and PDL: a load through ld.global.nc (`const T* __restrict__`
+// lets nvcc emit it, and the old ldg16_if did) promises that the data does not change while the
+// kernel runs. Under PDL a kernel runs while the one before it still writes, and on the H200
+// (2026-11-30, perf/pdl_race.sh) graph replays then read stale inputs now and then: trigger at
+// entry failed 3 of 6 chain tests and 2 of 2 step-graph serving tests; the same build with every
+// activation load coherent passed 6 of 6 and 2 of 2. So the kernels here take no `__restrict__`
+// and read activations with coherent loads (ldg16_if<false>); only weights, which no kernel writes, go
+// through the non-coherent path (ldg16_if<true>). tests/test_kernels_compile.py fails on any other
+// ld.global.nc in the PTX.
 #ifndef MT_PDL_TRIGGER
 #define MT_PDL_TRIGGER 0
 #endif
@@ -128,10 +132,13 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 __device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
-// 16 bytes through the read-only path, zeros when !pred (predicated, so nothing out of bounds is
-// touched). Volatile: NVVM keeps these loads in program order, ahead of the FMAs that use them
-// (a kernel's __launch_bounds__(.., 1) keeps ptxas from sinking them: see gemv.cu). STREAM:
-// data read once (weights), kept out of L1 (L1::no_allocate).
+// 16 bytes, zeros when !pred (predicated, so nothing out of bounds is touched). Volatile: NVVM
+// keeps these loads in program order, ahead of the FMAs that use them (a kernel's
+// __launch_bounds__(.., 1) keeps ptxas from sinking them: see gemv.cu).
+//   ldg16_if<true>:  weights only (data no kernel writes): the non-coherent read-only path, kept
+//                    out of L1 (read once: L1::no_allocate);
+//   ldg16_if<false>: anything a kernel writes (activations): a coherent load (L1-cached), safe
+//                    when the writer still runs under programmatic dependent launch (above).
 #define MT_LDG16_IF(INSTR)                                                    \
     asm volatile(                                                             \
         "{\n"                                                                 \
@@ -145,13 +152,13 @@ __device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)
         "}\n"                                                                 \
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)                          \
         : "l"(p), "r"(static_cast<int>(pred)))
-template <bool STREAM = false>
+template <bool WEIGHTS = false>
 __device__ __forceinline__ uint4 ldg16_if(const void* p, bool pred) {
     uint4 v;
-    if (STREAM)
+    if (WEIGHTS)
         MT_LDG16_IF("ld.global.nc.L1::no_allocate.v4.u32");
     else
-        MT_LDG16_IF("ld.global.nc.v4.u32");
+        MT_LDG16_IF("ld.global.v4.u32");
     return v;
 }
 #undef MT_LDG16_IF

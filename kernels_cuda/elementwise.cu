@@ -39,8 +39,8 @@ using mt::Vec16;
 
 // ---------------------------------------------------------------------------------------------
 template <typename T>
-__device__ void embedding_impl(const int* __restrict__ ids, const T* __restrict__ table,
-                               T* __restrict__ out, int H, long long V, int vec) {
+__device__ void embedding_impl(const int* ids, const T* table,
+                               T* out, int H, long long V, int vec) {
     const int t = blockIdx.x;
     const long long id = ids[t];
     const bool ok = id >= 0 && id < V;
@@ -60,9 +60,9 @@ __device__ void embedding_impl(const int* __restrict__ ids, const T* __restrict_
 // ---------------------------------------------------------------------------------------------
 // Vector path: each thread keeps up to MAXV 16-byte vectors of its row in registers.
 template <typename T, int MAXV>
-__device__ void rms_norm_vec_impl(const T* __restrict__ x, long long xs, const T* __restrict__ res,
-                                  long long rs, const T* __restrict__ w, T* __restrict__ out,
-                                  T* __restrict__ res_out, int H, float eps, float offset) {
+__device__ void rms_norm_vec_impl(const T* x, long long xs, const T* res,
+                                  long long rs, const T* w, T* out,
+                                  T* res_out, int H, float eps, float offset) {
     constexpr int N = Vec16<T>::N;
     __shared__ float scratch[32];
     const long long row = blockIdx.x;
@@ -118,8 +118,8 @@ __device__ void rms_norm_vec_impl(const T* __restrict__ x, long long xs, const T
 
 // Scalar path (any H / alignment): two passes, the second re-reads the (rounded) row.
 template <typename T>
-__device__ void rms_norm_scalar_impl(const T* __restrict__ x, long long xs, const T* res, long long rs,
-                                     const T* __restrict__ w, T* __restrict__ out, T* res_out, int H,
+__device__ void rms_norm_scalar_impl(const T* x, long long xs, const T* res, long long rs,
+                                     const T* w, T* out, T* res_out, int H,
                                      float eps, float offset) {
     __shared__ float scratch[32];
     const long long row = blockIdx.x;
@@ -149,8 +149,8 @@ __device__ void rms_norm_scalar_impl(const T* __restrict__ x, long long xs, cons
 // ops. buf: this warp's D floats of shared memory. yp may alias xp.
 template <typename T>
 __device__ __forceinline__ void norm_rope_head(const T* xp, T* yp, float* buf, int lane, int D,
-                                               const T* __restrict__ w, float eps, float offset,
-                                               bool has_pos, float pos, const float* __restrict__ inv_freq,
+                                               const T* w, float eps, float offset,
+                                               bool has_pos, float pos, const float* inv_freq,
                                                int rot) {
     float ss = 0.f;
     for (int i = lane; i < D; i += 32) {
@@ -184,16 +184,16 @@ __device__ __forceinline__ void norm_rope_head(const T* xp, T* yp, float* buf, i
 template <typename T>
 __device__ void head_norm_rope_impl(const T* x, long long xs_t, long long xs_h, T* y, long long ys_t,
                                     long long ys_h, int ntok, int nheads, int D,
-                                    const T* __restrict__ w, float eps, float offset,
-                                    const int* __restrict__ positions,
-                                    const float* __restrict__ inv_freq, int rot) {
+                                    const T* w, float eps, float offset,
+                                    const int* positions,
+                                    const float* inv_freq, int rot) {
     extern __shared__ float hbuf[];  // [warps][D]
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const long long item = (long long)blockIdx.x * (blockDim.x >> 5) + warp;
     if (item >= (long long)ntok * nheads) return;  // whole warp leaves together
     const long long t = item / nheads;
     const int h = (int)(item % nheads);
-    const float pos = positions ? (float)positions[t] : 0.f;
+    const float pos = positions ? (float)__ldcg(positions + t) : 0.f;   // coherent (common.cuh: PDL)
     norm_rope_head<T>(x + t * xs_t + h * xs_h, y + t * ys_t + h * ys_h, hbuf + warp * D, lane, D, w, eps,
                       offset, positions != nullptr, pos, inv_freq, rot);
 }
@@ -202,14 +202,14 @@ __device__ void head_norm_rope_impl(const T* x, long long xs_t, long long xs_h, 
 // norm (qw) + rotary -> q_out [T, Hq, D] contiguous. k head: norm (kw) + rotary -> k_cache row
 // slot_mapping[t], and v head h copied raw to v_cache (skipped for a negative slot).
 template <typename T>
-__device__ void qk_norm_rope_kv_impl(const T* __restrict__ q, long long qs_t, long long qs_h,
-                                     const T* __restrict__ k, long long ks_t, long long ks_h,
-                                     const T* __restrict__ v, long long vs_t, long long vs_h,
-                                     T* __restrict__ q_out, T* __restrict__ k_cache, T* __restrict__ v_cache,
-                                     const int* __restrict__ slot_mapping, int ntok, int Hq, int Hk, int D,
-                                     const T* __restrict__ qw, const T* __restrict__ kw, float eps,
-                                     float offset, const int* __restrict__ positions,
-                                     const float* __restrict__ inv_freq, int rot) {
+__device__ void qk_norm_rope_kv_impl(const T* q, long long qs_t, long long qs_h,
+                                     const T* k, long long ks_t, long long ks_h,
+                                     const T* v, long long vs_t, long long vs_h,
+                                     T* q_out, T* k_cache, T* v_cache,
+                                     const int* slot_mapping, int ntok, int Hq, int Hk, int D,
+                                     const T* qw, const T* kw, float eps,
+                                     float offset, const int* positions,
+                                     const float* inv_freq, int rot) {
     extern __shared__ float hbuf[];  // [warps][D]
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nh = Hq + Hk;
@@ -218,7 +218,7 @@ __device__ void qk_norm_rope_kv_impl(const T* __restrict__ q, long long qs_t, lo
     const long long t = item / nh;
     const int h = (int)(item % nh);
     float* buf = hbuf + warp * D;
-    const float pos = positions ? (float)positions[t] : 0.f;
+    const float pos = positions ? (float)__ldcg(positions + t) : 0.f;   // coherent (common.cuh: PDL)
     if (h < Hq) {
         norm_rope_head<T>(q + t * qs_t + h * qs_h, q_out + (t * Hq + h) * D, buf, lane, D, qw, eps, offset,
                           positions != nullptr, pos, inv_freq, rot);
@@ -236,7 +236,7 @@ __device__ void qk_norm_rope_kv_impl(const T* __restrict__ q, long long qs_t, lo
 
 // ---------------------------------------------------------------------------------------------
 template <typename T>
-__device__ void silu_mul_impl(const T* __restrict__ x, long long xs, T* __restrict__ y, long long rows,
+__device__ void silu_mul_impl(const T* x, long long xs, T* y, long long rows,
                               int I, int vec) {
     constexpr int N = Vec16<T>::N;
     const long long stride = (long long)gridDim.x * blockDim.x;
@@ -262,9 +262,9 @@ __device__ void silu_mul_impl(const T* __restrict__ x, long long xs, T* __restri
 }
 
 template <typename T>
-__device__ void sigmoid_mul_impl(const T* __restrict__ x, long long xa, long long xb,
-                                 const T* __restrict__ g, long long ga, long long gb, long long gc,
-                                 T* __restrict__ y, long long A, int B, int C, int vec) {
+__device__ void sigmoid_mul_impl(const T* x, long long xa, long long xb,
+                                 const T* g, long long ga, long long gb, long long gc,
+                                 T* y, long long A, int B, int C, int vec) {
     constexpr int N = Vec16<T>::N;
     const long long stride = (long long)gridDim.x * blockDim.x;
     const int nc = vec ? C / N : C;
@@ -293,10 +293,10 @@ __device__ void sigmoid_mul_impl(const T* __restrict__ x, long long xa, long lon
 // ---------------------------------------------------------------------------------------------
 // One thread per 16-byte chunk (vec) or element of k and v. D * sizeof(T) % 16 == 0 for vec.
 template <typename T>
-__device__ void write_kv_impl(const T* __restrict__ k, long long ks_t, long long ks_h,
-                              const T* __restrict__ v, long long vs_t, long long vs_h,
-                              T* __restrict__ k_cache, T* __restrict__ v_cache,
-                              const int* __restrict__ slot_mapping, long long ntok, int Hk, int D, int vec) {
+__device__ void write_kv_impl(const T* k, long long ks_t, long long ks_h,
+                              const T* v, long long vs_t, long long vs_h,
+                              T* k_cache, T* v_cache,
+                              const int* slot_mapping, long long ntok, int Hk, int D, int vec) {
     constexpr int N = Vec16<T>::N;
     const int nc = vec ? D / N : D;
     const long long total = ntok * Hk * nc;
@@ -320,7 +320,7 @@ __device__ void write_kv_impl(const T* __restrict__ k, long long ks_t, long long
 }
 
 template <typename T>
-__device__ void bias_add_impl(T* __restrict__ y, const T* __restrict__ b, long long rows, int n) {
+__device__ void bias_add_impl(T* y, const T* b, long long rows, int n) {
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < rows * n; idx += stride)
         y[idx] = from_f<T>(to_f(y[idx]) + to_f(b[idx % n]));

@@ -28,11 +28,11 @@
 namespace {
 
 template <typename T, typename S, int K>
-__device__ __forceinline__ void gdn_conv(const T* __restrict__ x, long long sx,
-                                         const float* __restrict__ w, S* __restrict__ state,
-                                         T* __restrict__ out, const int* __restrict__ qsl,
-                                         const int* __restrict__ seq_lens,
-                                         const int* __restrict__ slots, int B, int C, int seg) {
+__device__ __forceinline__ void gdn_conv(const T* x, long long sx,
+                                         const float* w, S* state,
+                                         T* out, const int* qsl,
+                                         const int* seq_lens,
+                                         const int* slots, int B, int C, int seg) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     const int y = blockIdx.y;
@@ -86,9 +86,9 @@ __device__ __forceinline__ void gdn_conv(const T* __restrict__ x, long long sx,
 }
 
 template <typename T>
-__device__ __forceinline__ void gated_rms_norm(const T* __restrict__ x, const T* __restrict__ z,
+__device__ __forceinline__ void gated_rms_norm(const T* x, const T* z,
                                                long long zs, int zh,
-                                               const float* __restrict__ w, T* __restrict__ out,
+                                               const float* w, T* out,
                                                int rows, int D, float eps) {
     const int row = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;

@@ -104,14 +104,14 @@ template <int DK, int DV> struct RecShape {
 // one launch less per GDN layer per decode step.
 template <typename T, int DK, int DV, bool GATES = false, typename SS = float>
 __device__ __forceinline__ void gdn_recurrent(
-    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const T* q, const T* k, const T* v,
     long long sq, long long sk, long long sv,
-    const float* __restrict__ g, const float* __restrict__ beta, SS* __restrict__ state,
-    T* __restrict__ o, const int* __restrict__ qsl, const int* __restrict__ seq_lens,
-    const int* __restrict__ slots, int Hk, int Hv,
-    const T* __restrict__ ga = nullptr, const T* __restrict__ gb = nullptr, long long sa = 0,
-    long long sb = 0, const float* __restrict__ A_log = nullptr,
-    const float* __restrict__ dt_bias = nullptr) {
+    const float* g, const float* beta, SS* state,
+    T* o, const int* qsl, const int* seq_lens,
+    const int* slots, int Hk, int Hv,
+    const T* ga = nullptr, const T* gb = nullptr, long long sa = 0,
+    long long sb = 0, const float* A_log = nullptr,
+    const float* dt_bias = nullptr) {
     using Sh = RecShape<DK, DV>;
     constexpr int NT = Sh::NT, CG = Sh::CG, RG = Sh::RG, RPT = Sh::RPT, NW = NT / 32;
     __shared__ float qs[DK], ks[DK], vs[DV], dl[DV];
@@ -256,11 +256,11 @@ template <int DK, int DV> struct ChunkSmem {
 
 template <typename T, int DK, int DV, typename SS = float>
 __device__ __forceinline__ void gdn_chunked(
-    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const T* q, const T* k, const T* v,
     long long sq, long long sk, long long sv,
-    const float* __restrict__ g, const float* __restrict__ beta, SS* __restrict__ state,
-    T* __restrict__ o, const int* __restrict__ qsl, const int* __restrict__ seq_lens,
-    const int* __restrict__ slots, int Hk, int Hv) {
+    const float* g, const float* beta, SS* state,
+    T* o, const int* qsl, const int* seq_lens,
+    const int* slots, int Hk, int Hv) {
     using L = ChunkSmem<DK, DV>;
     constexpr int LDK = L::LDK, LDV = L::LDV, LDA = L::LDA;
     extern __shared__ __align__(16) float sm[];
@@ -443,11 +443,11 @@ __device__ __forceinline__ void gdn_chunked(
 // Bytes: T*Hv*(2+2+4+4); FLOPs negligible.
 // ---------------------------------------------------------------------------------------------
 template <typename T>
-__device__ __forceinline__ void gdn_gates(const T* __restrict__ a, const T* __restrict__ b,
+__device__ __forceinline__ void gdn_gates(const T* a, const T* b,
                                           long long sa, long long sb,
-                                          const float* __restrict__ A_log,
-                                          const float* __restrict__ dt_bias,
-                                          float* __restrict__ g, float* __restrict__ beta,
+                                          const float* A_log,
+                                          const float* dt_bias,
+                                          float* g, float* beta,
                                           int T_, int Hv) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)T_ * Hv) return;

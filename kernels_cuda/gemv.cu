@@ -72,8 +72,11 @@ __device__ __forceinline__ float load_f(const __half* p) { return __half2float(*
 __device__ __forceinline__ void store_f(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 __device__ __forceinline__ void store_f(__half* p, float v) { *p = __float2half_rn(v); }
 
-// 16 bytes through the read-only path, zeros when !pred (mt::ldg16_if: volatile, predicated)
-__device__ __forceinline__ uint4 ldg16_if(const uint4* p, bool pred) { return mt::ldg16_if(p, pred); }
+// 16 bytes, zeros when !pred (volatile, predicated: common.cuh): w through the read-only path
+// (no kernel writes it; kept out of L1), x coherent (the previous kernel may still write it
+// under programmatic dependent launch)
+__device__ __forceinline__ uint4 ldg16_w(const uint4* p, bool pred) { return mt::ldg16_if<true>(p, pred); }
+__device__ __forceinline__ uint4 ldg16_x(const uint4* p, bool pred) { return mt::ldg16_if<false>(p, pred); }
 
 // acc + sum of the 8 products of two 16-byte vectors of E (element 0 first)
 template <typename E>
@@ -90,8 +93,8 @@ __device__ __forceinline__ float dot8(const uint4& a, const uint4& b, float acc)
 }
 
 template <int T, int R, typename E>
-__device__ __forceinline__ void gemv(const E* __restrict__ x, long long x_ld, const E* __restrict__ w,
-                                     long long w_ld, E* __restrict__ y, long long y_ld, int nt, int n, int k,
+__device__ __forceinline__ void gemv(const E* x, long long x_ld, const E* w,
+                                     long long w_ld, E* y, long long y_ld, int nt, int n, int k,
                                      int ks_log2, int accumulate) {
     static_assert(T * R <= 32, "one output per lane");
     __shared__ float red[GEMV_WARPS][T * R];
@@ -125,7 +128,7 @@ __device__ __forceinline__ void gemv(const E* __restrict__ x, long long x_ld, co
 #pragma unroll
         for (int u = 0; u < U; ++u)
 #pragma unroll
-            for (int r = 0; r < R; ++r) wv[u][r] = ldg16_if(wrow[r] + v0 + u * step, v0 + u * step < kv);
+            for (int r = 0; r < R; ++r) wv[u][r] = ldg16_w(wrow[r] + v0 + u * step, v0 + u * step < kv);
         // the first round's weight loads are in flight before waiting for the previous kernel
         // (programmatic dependent launch, common.cuh): only w, which no kernel writes
         if (!waited) {
@@ -138,7 +141,7 @@ __device__ __forceinline__ void gemv(const E* __restrict__ x, long long x_ld, co
 #pragma unroll
         for (int u = 0; u < U; ++u)
 #pragma unroll
-            for (int t = 0; t < T; ++t) xv[u][t] = ldg16_if(xrow[t] + v0 + u * step, v0 + u * step < kv);
+            for (int t = 0; t < T; ++t) xv[u][t] = ldg16_x(xrow[t] + v0 + u * step, v0 + u * step < kv);
 #pragma unroll
         for (int u = 0; u < U; ++u)
 #pragma unroll
@@ -178,8 +181,8 @@ __device__ __forceinline__ void gemv(const E* __restrict__ x, long long x_ld, co
 
 #define MT_GEMV(T, R, SUF, E)                                                                           \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)                                    \
-        gemv_t##T##_r##R##_##SUF(const E* __restrict__ x, long long x_ld, const E* __restrict__ w,     \
-                                 long long w_ld, E* __restrict__ y, long long y_ld, int nt, int n, int k, \
+        gemv_t##T##_r##R##_##SUF(const E* x, long long x_ld, const E* w,     \
+                                 long long w_ld, E* y, long long y_ld, int nt, int n, int k, \
                                  int ks_log2, int accumulate) {                                         \
         gemv<T, R, E>(x, x_ld, w, w_ld, y, y_ld, nt, n, k, ks_log2, accumulate);                        \
         mt::pdl_exit();                                                                                 \

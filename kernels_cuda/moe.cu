@@ -62,7 +62,7 @@ constexpr int BM = 64, BN = 64, BK = 32, GNT = 256;
 // Lane 0 writes ids_out[0 .. k + shared) and wts_out (any memory) and counts[id] += 1 (shared or
 // global memory, atomics).
 template <typename T>
-__device__ __forceinline__ void route_token(const T* __restrict__ lg, int E, int k, int renorm,
+__device__ __forceinline__ void route_token(const T* lg, int E, int k, int renorm,
                                             int shared, float* p, int* ids_out, float* wts_out,
                                             int* counts) {
     const int lane = threadIdx.x & 31;
@@ -116,9 +116,9 @@ __device__ __forceinline__ void route_token(const T* __restrict__ lg, int E, int
 
 // logits [T, E + shared] -> ids / wts [T, k + shared], counts (global, zeroed by the caller).
 template <typename T>
-__device__ __forceinline__ void moe_route(const T* __restrict__ logits, int T_, int E, int k,
-                                          int renorm, int shared, int* __restrict__ ids,
-                                          float* __restrict__ wts, int* __restrict__ counts) {
+__device__ __forceinline__ void moe_route(const T* logits, int T_, int E, int k,
+                                          int renorm, int shared, int* ids,
+                                          float* wts, int* counts) {
     extern __shared__ float rbuf[];
     const int warp = threadIdx.x >> 5;
     const int t = blockIdx.x * (blockDim.x >> 5) + warp;
@@ -176,11 +176,11 @@ __device__ __forceinline__ void load8<float>(const float* p, bool valid, float* 
 // C[r, n] = sum_k A[row(r), k] * W_e[n, k] over one tile of 64 rows of one expert.
 // GATED: second weight block at rows N + n (up), output silu(gate) * up.
 template <typename T, bool GATED>
-__device__ __forceinline__ void moe_gemm(const T* __restrict__ A, const int* __restrict__ sorted_pair,
-                                         int topk, const T* __restrict__ W, int N, int K,
-                                         const int* __restrict__ tile_expert,
-                                         const int* __restrict__ tile_row0,
-                                         const int* __restrict__ offsets, T* __restrict__ out) {
+__device__ __forceinline__ void moe_gemm(const T* A, const int* sorted_pair,
+                                         int topk, const T* W, int N, int K,
+                                         const int* tile_expert,
+                                         const int* tile_row0,
+                                         const int* offsets, T* out) {
     __shared__ float As[BK][BM + 1];
     __shared__ float Bs[GATED ? 2 : 1][BK][BN + 1];
     const int e = tile_expert[blockIdx.y];
@@ -246,9 +246,9 @@ __device__ __forceinline__ void moe_gemm(const T* __restrict__ A, const int* __r
 }
 
 template <typename T>
-__device__ __forceinline__ void moe_combine(const T* __restrict__ y, const int* __restrict__ pair_pos,
-                                            const float* __restrict__ wts, int k, int H,
-                                            T* __restrict__ out) {
+__device__ __forceinline__ void moe_combine(const T* y, const int* pair_pos,
+                                            const float* wts, int k, int H,
+                                            T* out) {
     const int t = blockIdx.x;
     for (int h = blockIdx.y * blockDim.x + threadIdx.x; h < H; h += gridDim.y * blockDim.x) {
         float acc = 0.f;
@@ -294,13 +294,13 @@ __device__ __forceinline__ unsigned moe_pack_bf16(float lo, float hi) {
 // WP + (mi*2 + h)*2 + c (m-tile mi, rows h*8 + g). After the loop it holds the warps' partial
 // accumulators, red[((w*MT + mi)*NTW + j)*4 + e][lane].
 template <bool GATED, int MT, int NTW, int STAGES>
-__device__ __forceinline__ void moe_mma_gemm(const __nv_bfloat16* __restrict__ A,
-                                             const int* __restrict__ sorted_pair, int topk,
-                                             const __nv_bfloat16* __restrict__ W, int N, int K,
-                                             const int* __restrict__ tile_expert,
-                                             const int* __restrict__ tile_row0,
-                                             const int* __restrict__ offsets,
-                                             __nv_bfloat16* __restrict__ out) {
+__device__ __forceinline__ void moe_mma_gemm(const __nv_bfloat16* A,
+                                             const int* sorted_pair, int topk,
+                                             const __nv_bfloat16* W, int N, int K,
+                                             const int* tile_expert,
+                                             const int* tile_row0,
+                                             const int* offsets,
+                                             __nv_bfloat16* out) {
     constexpr int NB = GATED ? NTW / 2 : NTW;  // output n-tiles per CTA
     constexpr int BN = NB * 8;
     constexpr int WP = NTW * 2;                // W pieces per stage (16 B per lane each)
@@ -501,12 +501,12 @@ extern "C" __global__ void moe_scatter(const int* ids, int P, const int* offsets
 // (dynamic shared memory: nwr * E floats of softmax scratch, then the P expert ids).
 // E + shared <= 1024.
 template <typename T>
-__device__ __forceinline__ void moe_plan(const T* __restrict__ logits, int T_, int E, int k,
+__device__ __forceinline__ void moe_plan(const T* logits, int T_, int E, int k,
                                          int renorm, int shared, int nwr, int max_tiles, int bm,
-                                         float* __restrict__ wts, int* __restrict__ offsets,
-                                         int* __restrict__ tile_expert, int* __restrict__ tile_row0,
-                                         int* __restrict__ sorted_pair, int* __restrict__ pair_pos,
-                                         int* __restrict__ ids_out) {
+                                         float* wts, int* offsets,
+                                         int* tile_expert, int* tile_row0,
+                                         int* sorted_pair, int* pair_pos,
+                                         int* ids_out) {
     extern __shared__ float dyn[];
     __shared__ int counts[1024], fill[1024], offs[1024];
     const int tid = threadIdx.x, warp = tid >> 5;
@@ -548,9 +548,10 @@ __device__ __forceinline__ void moe_plan(const T* __restrict__ logits, int T_, i
 // Bytes: P x (2I + I) x H x 2 (weights) + (P + T) x H x 2 + 2 P x I x 2; FLOPs 6 P H I.
 constexpr int GV_ROWS = 4, GV_U = 4;
 
-__device__ __forceinline__ uint4 moe_ldg16(const void* p, bool pred) {
-    return mt::ldg16_if<true>(p, pred);               // weights and activations read once
-}
+// weights through the read-only path (no kernel writes them; read once: kept out of L1),
+// activations coherent (common.cuh: programmatic dependent launch)
+__device__ __forceinline__ uint4 moe_ldg16_w(const void* p, bool pred) { return mt::ldg16_if<true>(p, pred); }
+__device__ __forceinline__ uint4 moe_ldg16_x(const void* p, bool pred) { return mt::ldg16_if<false>(p, pred); }
 
 __device__ __forceinline__ float moe_dot8(const uint4& a, const uint4& b, float acc) {
     const uint32_t aw[4] = {a.x, a.y, a.z, a.w}, bw[4] = {b.x, b.y, b.z, b.w};
@@ -564,7 +565,7 @@ __device__ __forceinline__ float moe_dot8(const uint4& a, const uint4& b, float 
 
 // acc[r] = w[r] . x over k (k % 8 == 0), summed over the warp (every lane gets the totals)
 __device__ __forceinline__ void moe_warp_rows(const __nv_bfloat16* const (&w)[GV_ROWS],
-                                              const __nv_bfloat16* __restrict__ x, int k,
+                                              const __nv_bfloat16* x, int k,
                                               float (&acc)[GV_ROWS]) {
     const int lane = threadIdx.x & 31;
     const int nv = k >> 3;
@@ -576,12 +577,12 @@ __device__ __forceinline__ void moe_warp_rows(const __nv_bfloat16* const (&w)[GV
         for (int u = 0; u < GV_U; ++u) {
             const int v = v0 + u * 32 + lane;
 #pragma unroll
-            for (int r = 0; r < GV_ROWS; ++r) wv[r][u] = moe_ldg16(w[r] + v * 8, v < nv);
+            for (int r = 0; r < GV_ROWS; ++r) wv[r][u] = moe_ldg16_w(w[r] + v * 8, v < nv);
         }
 #pragma unroll
         for (int u = 0; u < GV_U; ++u) {
             const int v = v0 + u * 32 + lane;
-            xv[u] = moe_ldg16(x + v * 8, v < nv);
+            xv[u] = moe_ldg16_x(x + v * 8, v < nv);
         }
 #pragma unroll
         for (int u = 0; u < GV_U; ++u)
@@ -593,9 +594,9 @@ __device__ __forceinline__ void moe_warp_rows(const __nv_bfloat16* const (&w)[GV
 }
 
 extern "C" __global__ void __launch_bounds__(128, 1) moe_gemv_gate_up(
-    const __nv_bfloat16* __restrict__ x, const int* __restrict__ ids,
-    const int* __restrict__ sorted_pair, int kk, const __nv_bfloat16* __restrict__ gate_up, int I,
-    int H, int P, __nv_bfloat16* __restrict__ act) { mt::pdl_enter();
+    const __nv_bfloat16* x, const int* ids,
+    const int* sorted_pair, int kk, const __nv_bfloat16* gate_up, int I,
+    int H, int P, __nv_bfloat16* act) { mt::pdl_enter();
     constexpr int NO = GV_ROWS / 2;                       // outputs per warp (I % NO == 0)
     const long long wg = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
     const int per_pos = I / NO;
@@ -627,11 +628,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) moe_gemv_gate_up(
 constexpr int DC_ROWS = 2, DC_J = 4, DC_U = 2;
 
 template <int J>
-__device__ __forceinline__ void dc_pairs(const __nv_bfloat16* __restrict__ act,
-                                         const int* __restrict__ ids,
-                                         const int* __restrict__ pair_pos,
-                                         const float* __restrict__ wts, int p0,
-                                         const __nv_bfloat16* __restrict__ down, int H, int I,
+__device__ __forceinline__ void dc_pairs(const __nv_bfloat16* act,
+                                         const int* ids,
+                                         const int* pair_pos,
+                                         const float* wts, int p0,
+                                         const __nv_bfloat16* down, int H, int I,
                                          int n0, float (&tot)[DC_ROWS]) {
     const int lane = threadIdx.x & 31;
     const __nv_bfloat16* w[J][DC_ROWS];
@@ -660,13 +661,13 @@ __device__ __forceinline__ void dc_pairs(const __nv_bfloat16* __restrict__ act,
 #pragma unroll
             for (int j = 0; j < J; ++j)
 #pragma unroll
-                for (int r = 0; r < DC_ROWS; ++r) wv[j][r][u] = moe_ldg16(w[j][r] + v * 8, v < nv);
+                for (int r = 0; r < DC_ROWS; ++r) wv[j][r][u] = moe_ldg16_w(w[j][r] + v * 8, v < nv);
         }
 #pragma unroll
         for (int u = 0; u < DC_U; ++u) {
             const int v = v0 + u * 32 + lane;
 #pragma unroll
-            for (int j = 0; j < J; ++j) xv[j][u] = moe_ldg16(xa[j] + v * 8, v < nv);
+            for (int j = 0; j < J; ++j) xv[j][u] = moe_ldg16_x(xa[j] + v * 8, v < nv);
         }
 #pragma unroll
         for (int u = 0; u < DC_U; ++u)
@@ -682,9 +683,9 @@ __device__ __forceinline__ void dc_pairs(const __nv_bfloat16* __restrict__ act,
 }
 
 extern "C" __global__ void __launch_bounds__(128, 1) moe_gemv_down_combine(
-    const __nv_bfloat16* __restrict__ act, const int* __restrict__ ids,
-    const int* __restrict__ pair_pos, const float* __restrict__ wts, int kk,
-    const __nv_bfloat16* __restrict__ down, int H, int I, int T_, __nv_bfloat16* __restrict__ out) { mt::pdl_enter();
+    const __nv_bfloat16* act, const int* ids,
+    const int* pair_pos, const float* wts, int kk,
+    const __nv_bfloat16* down, int H, int I, int T_, __nv_bfloat16* out) { mt::pdl_enter();
     const long long wg = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
     const int per_tok = H / DC_ROWS;                      // H % DC_ROWS == 0
     const int t = (int)(wg / per_tok);

@@ -92,11 +92,11 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 }
 
 template <typename T>
-__device__ __forceinline__ void sample_prepare(const T* __restrict__ logits, long long ld,
-                                               const int* __restrict__ prm_all,
-                                               const int* __restrict__ counts,
-                                               const unsigned char* __restrict__ prompt,
-                                               float* __restrict__ work, int V) {
+__device__ __forceinline__ void sample_prepare(const T* logits, long long ld,
+                                               const int* prm_all,
+                                               const int* counts,
+                                               const unsigned char* prompt,
+                                               float* work, int V) {
     const int r = blockIdx.y;
     const int* prm = prm_all + r * 16;
     const float temp = pf(prm, 0);
@@ -160,8 +160,8 @@ __device__ unsigned radix_select(const float* row, int V, unsigned lo_key, float
     return prefix;
 }
 
-__device__ void sample_select(const float* __restrict__ work, int V, const int* __restrict__ prm_all,
-                              int* __restrict__ counts, int* __restrict__ out, int OW) {
+__device__ void sample_select(const float* work, int V, const int* prm_all,
+                              int* counts, int* out, int OW) {
     __shared__ float sv[32];
     __shared__ int si[32];
     __shared__ unsigned long long hist[256];
@@ -245,8 +245,8 @@ __device__ void sample_select(const float* __restrict__ work, int V, const int* 
 }
 
 template <typename T>
-__device__ void sample_logprobs(const T* __restrict__ logits, long long ld, int V,
-                                const int* __restrict__ prm_all, int* __restrict__ out, int OW,
+__device__ void sample_logprobs(const T* logits, long long ld, int V,
+                                const int* prm_all, int* out, int OW,
                                 int K) {
     __shared__ float sv[32];
     __shared__ int si[32];

@@ -111,21 +111,29 @@ def _ptx_entries(ptx: str) -> dict[str, str]:
             for i, m in enumerate(heads)}
 
 
-def test_every_kernel_waits_for_its_predecessor_before_touching_memory(tmp_path):
+@pytest.fixture(scope="module")
+def kernel_ptx(tmp_path_factory) -> list[tuple[Path, str]]:
+    """[(source, its PTX for sm_90)] of every .cu in kernels_cuda/, built once for this module."""
     nvcc = find_nvcc()
     assert nvcc, "nvcc not found"
+    tmp = tmp_path_factory.mktemp("ptx")
 
     def ptx_of(src: Path) -> tuple[Path, int, str]:
-        out = tmp_path / (src.stem + ".ptx")
+        out = tmp / (src.stem + ".ptx")
         res = subprocess.run([nvcc, f"-arch={ARCH}", "-ptx", *NVCC_OPTIONS, "-I", str(KERNEL_DIR), "-o",
                               str(out), str(src)], capture_output=True, text=True)
         return src, res.returncode, out.read_text() if res.returncode == 0 else res.stderr
 
     with ThreadPoolExecutor(max_workers=4) as pool:
         results = list(pool.map(ptx_of, sorted(KERNEL_DIR.glob("*.cu"))))
-    bad, checked = [], 0
     for src, rc, text in results:
         assert rc == 0, f"{src.name}: {text}"
+    return [(src, text) for src, _rc, text in results]
+
+
+def test_every_kernel_waits_for_its_predecessor_before_touching_memory(kernel_ptx):
+    bad, checked = [], 0
+    for src, text in kernel_ptx:
         for name, body in _ptx_entries(text).items():
             if name in _PDL_EXEMPT:
                 continue
@@ -144,3 +152,36 @@ def test_every_kernel_waits_for_its_predecessor_before_touching_memory(tmp_path)
                 break
     assert checked > 30, f"only {checked} entry points found"
     assert not bad, "kernels that break the PDL rule (kernels_cuda/common.cuh):\n" + "\n".join(bad)
+
+
+# The non-coherent read-only path (ld.global.nc) is undefined for data that changes while the
+# kernel runs, and under PDL the previous kernel may still be writing a kernel's inputs: on the
+# H200 that read stale activations (kernels_cuda/common.cuh). The one allowed form is the weight
+# loader mt::ldg16_if<true> (ld.global.nc.L1::no_allocate); nvcc emits plain ld.global.nc for a
+# `const T* __restrict__` parameter, which is how one would come back.
+_NC_WEIGHT_LOAD = "ld.global.nc.L1::no_allocate."
+# sincosf's slow path (|x| large) reads the math library's constant table __cudart_i2opi_f with one
+# 32-bit ld.global.nc in its reduction loop: constant data, allowed once per inlined copy (each
+# takes the table's address with one mov)
+_MATH_TABLE, _MATH_TABLE_LOAD = "__cudart_i2opi_f", "ld.global.nc.u32"
+
+
+def test_no_kernel_reads_activations_through_the_non_coherent_path(kernel_ptx):
+    bad, weight_loads = [], 0
+    for src, text in kernel_ptx:
+        for name, body in _ptx_entries(text).items():
+            table_loads = body.count(f", {_MATH_TABLE};")
+            for line in body.splitlines():
+                line = line.strip()
+                if "ld.global.nc" not in line or line.startswith("//"):
+                    continue
+                if _NC_WEIGHT_LOAD in line:
+                    weight_loads += 1
+                    continue
+                if table_loads and line.startswith(_MATH_TABLE_LOAD):
+                    table_loads -= 1
+                    continue
+                bad.append(f"{src.name}:{name}: {line}")
+                break
+    assert weight_loads > 0, "the weight loader's ld.global.nc.L1::no_allocate is gone: is the check still valid?"
+    assert not bad, "non-coherent loads outside the weight loader (kernels_cuda/common.cuh):\n" + "\n".join(bad)
