@@ -35,7 +35,7 @@ template <typename T> struct Vec16 {
 // --- Programmatic dependent launch (sm_90+; no-ops before it and when a grid was launched
 // without the attribute) ------------------------------------------------------------------
 // A kernel that metrale/backends/launch.py launches with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_
-// STREAM_SERIALIZATION (METRALE_PDL=1: experimental, off by default) may start while the kernel
+// STREAM_SERIALIZATION (inside graph captures; METRALE_PDL=0 turns it off) may start while the kernel
 // before it in the stream still runs. The rule every kernel here keeps
 // (tests/test_kernels_compile.py checks each entry point's PTX):
 //   * pdl_wait() before the first access to memory another kernel writes or reads (inputs,
@@ -44,11 +44,14 @@ template <typename T> struct Vec16 {
 //   * only data no kernel writes (weights) may be read before it: gemv.cu issues its first
 //     round of weight loads, then waits, so the weight stream starts during the previous
 //     kernel's tail.
-// Launched plainly (the default), pdl_wait() returns at once.
+// Launched plainly (eager launches; METRALE_PDL=0), pdl_wait() returns at once.
 //
 // pdl_trigger() lets the next kernel launch before this one ends. MT_PDL_TRIGGER picks where the
 // kernels issue it: 0 never (the next kernel may start as this one's last CTA exits), 1 at entry
-// before the wait, 2 right after the wait, 3 at the end of the entry point (pdl_exit()).
+// before the wait (the default: the successor's CTAs are resident and waiting as soon as the
+// last of ours has started), 2 right after the wait, 3 at the end of the entry point
+// (pdl_exit()). Correctness does not depend on the placement: every kernel waits before it
+// reads (the rules above and below).
 //
 // The read-only (non-coherent) path and PDL: a load through ld.global.nc (`const T* __restrict__`
 // lets nvcc emit it, and the old ldg16_if did) promises that the data does not change while the
@@ -60,7 +63,7 @@ template <typename T> struct Vec16 {
 // through the non-coherent path (ldg16_if<true>). tests/test_kernels_compile.py fails on any other
 // ld.global.nc in the PTX.
 #ifndef MT_PDL_TRIGGER
-#define MT_PDL_TRIGGER 0
+#define MT_PDL_TRIGGER 1
 #endif
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -55,11 +55,10 @@ LEVERS: dict[str, Lever] = {lv.name: lv for lv in (
     Lever("METRALE_FAST_LAUNCH", str, "1", "metrale/backends/launch.py",
           "1 = eager CUDA kernels launched through cuLaunchKernel with packed arguments (after a "
           "self-test); 0 = CuPy's RawKernel launch"),
-    Lever("METRALE_PDL", str, "0", "metrale/backends/launch.py",
-          "experimental: 1 = in captured CUDA graphs on sm_90+, each of our kernels that follows "
-          "another of ours gets a programmatic edge (it may start while that one drains and "
-          "waits for its inputs in-kernel); 0 = plain stream order (default: see "
-          "kernels_cuda/README.md on the races seen)"),
+    Lever("METRALE_PDL", str, "1", "metrale/backends/launch.py",
+          "1 = in captured CUDA graphs on sm_90+, each of our kernels that follows another of "
+          "ours gets a programmatic edge (it launches while that one drains and waits for its "
+          "inputs in-kernel: kernels_cuda/README.md); 0 = plain stream order"),
     Lever("METRALE_CUDA_POISON", str, "", "metrale/backends/cuda.py",
           "1 = fill every new CUDA op output with NaN first (tests: catches unwritten outputs)"),
 )}

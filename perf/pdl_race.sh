@@ -1,22 +1,18 @@
 #!/usr/bin/env bash
-# The open PDL question (kernels_cuda/README.md, "Programmatic dependent launch"), on the GPU in
-# one call: which build/configuration makes graph replays with programmatic edges read stale
-# inputs. Each variant runs the reproducer (tests/test_launch.py::test_pdl_chain_*, xfail) and
+# Graph replays with programmatic edges against plain stream order, counted (kernels_cuda/README.md,
+# "Programmatic dependent launch"): each variant runs tests/test_launch.py::test_pdl_chain_* and
 # the serve-like step-graph test with METRALE_PDL=1, REPS times, and counts failures; variant
-# "default" also runs the 35B-A3B warm-up + a C=1 ladder rung (it hit an illegal address).
+# "default" also runs the 35B-A3B warm-up + C=1 ladder rungs. This is how the non-coherent-load
+# race was found (2026-11-30): trigger at entry with ld.global.nc activation loads failed 3/6
+# chain runs and 2/2 serving runs; with coherent loads 0/6 and 0/2.
 #
 #   GIT_COMMIT=<hash> perf/pdl_race.sh [OUTDIR]      (REPS=3 by default)
 #
 # Variants (kernel sources copied to /tmp and edited there, selected with METRALE_KERNELS_DIR):
-#   default   the tree as is: no early trigger (MT_PDL_TRIGGER 0)
-#   trig1     MT_PDL_TRIGGER 1 (trigger at kernel entry): the build that raced
-#   trig1_blas  trig1 with METRALE_GEMM_TUNE=0 (every GEMM a cuBLAS call, no GEMV): hypothesis 1
-#               (cuBLASLt's own PDL launches start early after our trigger) predicts more failures
-#   trig3     MT_PDL_TRIGGER 3 (trigger at the end of each entry point, after its stores): if
-#             hypothesis 1 holds, this placement is safe and keeps part of the gain
-#   trig1_cg  trig1 with `__restrict__` defined away and the 16-byte loads as ld.global.cg (PTX
-#             checked on the CPU: no ld.global.nc left but 1-2 in the two rope kernels):
-#             hypothesis 2 (ld.global.nc under PDL) predicts no failures
+#   default   the tree as is (MT_PDL_TRIGGER 1: trigger at entry)
+#   trig0     MT_PDL_TRIGGER 0 (no explicit trigger: a successor starts as the last CTA exits)
+#   trig3     MT_PDL_TRIGGER 3 (trigger at the end of each entry point, after its stores)
+#   blas      the default with METRALE_GEMM_TUNE=0 (every GEMM a cuBLAS call, no GEMV)
 # Writes OUTDIR/pdl_race.json: {variant: {chain_failed, chain_passed, serve_failed, ...}}.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,10 +32,8 @@ variant_dir() {   # $1 variant -> a kernels dir
   local d=/tmp/pdl_kernels_$1
   rm -rf "$d"; cp -r kernels_cuda "$d"
   case $1 in
-    trig1|trig1_blas) sed -i 's/^#define MT_PDL_TRIGGER 0$/#define MT_PDL_TRIGGER 1/' "$d/common.cuh" ;;
-    trig3) sed -i 's/^#define MT_PDL_TRIGGER 0$/#define MT_PDL_TRIGGER 3/' "$d/common.cuh" ;;
-    trig1_cg) sed -i 's/^#define MT_PDL_TRIGGER 0$/#define MT_PDL_TRIGGER 1/; s/ld\.global\.nc\.L1::no_allocate\.v4\.u32/ld.global.cg.v4.u32/; s/ld\.global\.nc\.v4\.u32/ld.global.cg.v4.u32/' "$d/common.cuh"
-              sed -i '0,/^#pragma once/s//#pragma once\n#define __restrict__/' "$d/common.cuh" ;;
+    trig0) sed -i 's/^#define MT_PDL_TRIGGER [0-9]$/#define MT_PDL_TRIGGER 0/' "$d/common.cuh" ;;
+    trig3) sed -i 's/^#define MT_PDL_TRIGGER [0-9]$/#define MT_PDL_TRIGGER 3/' "$d/common.cuh" ;;
   esac
   echo "$d"
 }
@@ -49,11 +43,11 @@ count() {   # $1 failed|passed, $2 a pytest log -> the number in its summary lin
 }
 
 summary="{"
-for v in ${VARIANTS:-default trig1 trig3 trig1_blas trig1_cg}; do
+for v in ${VARIANTS:-default trig0 trig3 blas}; do
   kd=$(variant_dir "$v")
-  want=1; [ "$v" = default ] && want=0; [ "$v" = trig3 ] && want=3
+  want=1; [ "$v" = trig0 ] && want=0; [ "$v" = trig3 ] && want=3
   grep -q "^#define MT_PDL_TRIGGER $want\$" "$kd/common.cuh" || echo "variant $v: trigger edit failed"
-  extra=""; [ "$v" = trig1_blas ] && extra="METRALE_GEMM_TUNE=0"
+  extra=""; [ "$v" = blas ] && extra="METRALE_GEMM_TUNE=0"
   cf=0; cp=0
   for i in $(seq "$REPS"); do
     env METRALE_PDL=1 METRALE_KERNELS_DIR="$kd" $extra "$PY" -m pytest -m gpu -q -p no:cacheprovider --runxfail \

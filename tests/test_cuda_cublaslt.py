@@ -329,3 +329,38 @@ def test_tune_lever_off_gives_gemmex(cp, monkeypatch):
     cp.random.seed(60)
     x, w = rnd(cp, (8, 4096), BF16), rnd(cp, (4096, 4096), BF16, 4096 ** -0.5)
     assert rel_err(cp, ops.linear(x, w), reference(cp, x, w)) <= 1e-2
+
+
+@gpu
+def test_unsplit_copies_of_split_k_algorithms_are_candidates_and_correct(cp):
+    """The 9B down projection at decode size: the heuristic answers with split-K algorithms (fp32
+    partials + a reduction kernel); the tuner also times each of them unsplit. Every unsplit copy
+    is a valid cuBLASLt configuration that computes the product."""
+    cp.random.seed(70)
+    t, n_out, k = 8, 4096, 12288
+    g = new_gemm()
+    x, w = rnd(cp, (t, k), BF16), rnd(cp, (n_out, k), BF16, k ** -0.5)
+    y = poisoned(cp, (t, n_out), BF16)
+    key = (t, n_out, k, k, k, n_out, lt.CUDA_R_16BF, False, lt._align(x.data.ptr), lt._align(w.data.ptr),
+           lt._align(y.data.ptr))
+    layouts = g._key_layouts(key)
+    bases = [lt.MatmulAlgo.from_buffer_copy(r.algo) for r in g._heuristics(key, layouts, lt.MAX_HEURISTICS)]
+    split = [b for b in bases if (g._cfg(b, lt.CUBLASLT_ALGO_CONFIG_SPLITK_NUM) or 1) > 1]
+    assert split, "expected split-K algorithms from the heuristic for this shape (cuBLASLt 13.1, H200)"
+    unsplit = g._unsplit_variants(bases, layouts)
+    assert unsplit, "no split-K algorithm accepted its unsplit copy"
+    assert len(unsplit) <= len(split)
+    ref = reference(cp, x, w)
+    for algo in unsplit:
+        assert g._cfg(algo, lt.CUBLASLT_ALGO_CONFIG_SPLITK_NUM) == 1
+        assert g._cfg(algo, lt.CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, ctypes.c_uint32) == lt.CUBLASLT_REDUCTION_SCHEME_NONE
+        name, aid = g.describe(algo)
+        plan = lt.Plan(algo, layouts, name, aid, tuned=True)
+        y = poisoned(cp, (t, n_out), BF16)
+        g._run(plan, cp.cuda.get_current_stream().ptr, x.data.ptr, k, w.data.ptr, k, y.data.ptr, n_out, t, n_out, k,
+               lt.CUDA_R_16BF, False)
+        assert rel_err(cp, y, ref) <= TOL[BF16], name
+    gemm(g, cp, x, w, y)                                      # the tuning call: times them too
+    assert g.last_plan.tuned and g.last_plan.candidates >= len(unsplit)
+    assert rel_err(cp, y, ref) <= TOL[BF16], g.last_plan.name
+    g.close()

@@ -269,11 +269,6 @@ def _layer_chain(ops, h, res, layers):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=False, reason=(
-    "PDL is experimental and off by default: on the H200 (2026-11-30) this chain's graph, "
-    "captured with programmatic edges, replayed stale inputs in some runs (t = 1 and 3) with "
-    "kernels that trigger early (MT_PDL_TRIGGER 1 and 2); the default build (no early trigger) "
-    "has not run it yet. The reproducer of kernels_cuda/README.md's open question"))
 @pytest.mark.parametrize("t", [1, 3, 16])
 def test_pdl_chain_equals_plain_stream_order_eager_and_graphed(ops, t):
     """A dependent chain (GEMVs at t <= 2, which prefetch weights before waiting; cuBLAS at

@@ -15,19 +15,16 @@ CuPy, unchanged. So is every call when the first launch of the process, a self-t
 (kernels_cuda/launch_selftest.cu) with arguments of every width in padding-forcing order, does
 not read back what it was given, or when METRALE_FAST_LAUNCH=0.
 
-Programmatic dependent launch (PDL, sm_90+; experimental, METRALE_PDL=1, off by default): every
-kernel of kernels_cuda/ except the self-test waits for its predecessor in-kernel (common.cuh:
-`pdl_enter`, or gemv.cu's first weight round then `pdl_wait`). Inside `pdl_capture()` (the decode
+Programmatic dependent launch (PDL, sm_90+; on unless METRALE_PDL=0): every kernel of
+kernels_cuda/ except the self-test lets its successor launch at entry and waits for its
+predecessor in-kernel (common.cuh: `pdl_enter`, or gemv.cu's first weight round then `pdl_wait`),
+and reads what other kernels write with coherent loads only. Inside `pdl_capture()` (the decode
 and step graph captures, metrale/cuda_graphs.py) such a kernel is launched through
 cuLaunchKernelEx with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION when the launch just
 before it was one of ours too (never the first kernel of a capture, nor one after a cuBLAS call
 or a CuPy memset: `foreign_launch()`); capture turns that into a programmatic edge. Measured on
-the H200 (perf/results/pdl_experiments_20261130.json): with kernels that let their successor
-launch early (MT_PDL_TRIGGER 1), SmolLM2 decodes at C=1 in 0.63 ms a step instead of 0.92 and
-the 9B in 4.42 ms instead of 4.71; but graph replays then read stale inputs now and then and the
-35B-A3B hit an illegal address, so it stays off and the kernels do not trigger early
-(MT_PDL_TRIGGER 0: a successor starts as the last CTA exits; that build has not been
-correctness-tested with PDL on). Eager launches are always plain (so `--profile`, which captures
+the H200 (kernels_cuda/README.md): SmolLM2 decodes at C=1 in 0.63 ms a step instead of 0.82-0.92,
+the 9B in 4.42-4.66 ms instead of 4.71. Eager launches are always plain (so `--profile`, which captures
 no graphs, runs without it). Off before sm_90 or when the self-test's PDL launch fails.
 """
 from __future__ import annotations
