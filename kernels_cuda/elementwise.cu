@@ -14,6 +14,9 @@
 //                  does). out = r * rsqrt(mean(r^2) + eps) * (offset + w), fp32 inside.
 //                  One block per row; the row stays in registers (16-byte loads). Moves
 //                  (2 or 4) * R*H*sizeof(T) bytes.
+// rms_norm_parts   the same with x given as S fp32 partials parts[S][R][H] (part stride ps): x is
+//                  their sum in order, rounded to T once (a k-split GEMM's deferred reduction);
+//                  vector path only (H % 8 == 0, 16-byte aligned). Moves (4S + 2 or 4) * R*H bytes.
 // head_norm_rope   x T[T, Hh, D] (strides xs_t, xs_h) -> y T[T, Hh, D] (strides ys_t, ys_h;
 //                  may alias x). Optional head RMSNorm (w T[D] or null) then optional NeoX
 //                  rotate-half rotary on the first `rot` dims (positions int32 [T] or null,
@@ -59,15 +62,14 @@ __device__ void embedding_impl(const int* ids, const T* table,
 
 // ---------------------------------------------------------------------------------------------
 // Vector path: each thread keeps up to MAXV 16-byte vectors of its row in registers.
-template <typename T, int MAXV>
-__device__ void rms_norm_vec_impl(const T* x, long long xs, const T* res,
-                                  long long rs, const T* w, T* out,
-                                  T* res_out, int H, float eps, float offset) {
+// load_x(i): the row's i-th 16-byte vector of x (T), as stored or as summed partials.
+template <typename T, int MAXV, typename LoadX>
+__device__ __forceinline__ void rms_norm_vec_rows(LoadX load_x, const T* res, long long rs, const T* w,
+                                                  T* out, T* res_out, int H, float eps, float offset) {
     constexpr int N = Vec16<T>::N;
     __shared__ float scratch[32];
     const long long row = blockIdx.x;
     const int nvec = H / N;
-    const uint4* xr = reinterpret_cast<const uint4*>(x + row * xs);
     const uint4* rr = res ? reinterpret_cast<const uint4*>(res + row * rs) : nullptr;
     float vals[MAXV][N];
     float ss = 0.f;
@@ -76,7 +78,7 @@ __device__ void rms_norm_vec_impl(const T* x, long long xs, const T* res,
         const int i = threadIdx.x + k * blockDim.x;
         if (i < nvec) {
             Vec16<T> a;
-            a.u = xr[i];
+            a.u = load_x(i);
             if (rr) {
                 Vec16<T> b, r;
                 b.u = rr[i];
@@ -114,6 +116,44 @@ __device__ void rms_norm_vec_impl(const T* x, long long xs, const T* res,
             o[i] = y.u;
         }
     }
+}
+
+template <typename T, int MAXV>
+__device__ void rms_norm_vec_impl(const T* x, long long xs, const T* res, long long rs, const T* w, T* out,
+                                  T* res_out, int H, float eps, float offset) {
+    const uint4* xr = reinterpret_cast<const uint4*>(x + (long long)blockIdx.x * xs);
+    rms_norm_vec_rows<T, MAXV>([&](int i) { return xr[i]; }, res, rs, w, out, res_out, H, eps, offset);
+}
+
+// x given as S fp32 partial products (a k-split GEMM's output, metrale/backends/cublaslt.py
+// ksplit_plan): parts[s][row][H] contiguous, part stride ps. x = the partials summed in order
+// s = 0..S-1 in fp32 and rounded to T once (what the GEMM would have stored), then as above.
+template <typename T, int MAXV>
+__device__ void rms_norm_parts_impl(const float* parts, long long ps, int S, const T* res, long long rs,
+                                    const T* w, T* out, T* res_out, int H, float eps, float offset) {
+    constexpr int N = Vec16<T>::N;
+    const float* xr = parts + (long long)blockIdx.x * H;
+    auto load_x = [&](int i) {
+        float acc[N];
+#pragma unroll
+        for (int e = 0; e < N; ++e) acc[e] = 0.f;
+        for (int sl = 0; sl < S; ++sl) {
+            const float4* p = reinterpret_cast<const float4*>(xr + sl * ps + (long long)i * N);
+#pragma unroll
+            for (int q = 0; q < N / 4; ++q) {
+                const float4 v = p[q];
+                acc[4 * q] += v.x;
+                acc[4 * q + 1] += v.y;
+                acc[4 * q + 2] += v.z;
+                acc[4 * q + 3] += v.w;
+            }
+        }
+        Vec16<T> a;
+#pragma unroll
+        for (int e = 0; e < N; ++e) a.v[e] = from_f<T>(acc[e]);
+        return a.u;
+    };
+    rms_norm_vec_rows<T, MAXV>(load_x, res, rs, w, out, res_out, H, eps, offset);
 }
 
 // Scalar path (any H / alignment): two passes, the second re-reads the (rounded) row.
@@ -338,6 +378,12 @@ __device__ void bias_add_impl(T* y, const T* b, long long rows, int n) {
         const T* x, long long xs, const T* res, long long rs, const T* w, T* out, T* res_out, int H,   \
         float eps, float offset) { mt::pdl_enter();                                                    \
         rms_norm_vec_impl<T, 4>(x, xs, res, rs, w, out, res_out, H, eps, offset);                      \
+        mt::pdl_exit();                                                                                \
+    }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(1024) rms_norm_parts_##SUF(                          \
+        const float* parts, long long ps, int S, const T* res, long long rs, const T* w, T* out,        \
+        T* res_out, int H, float eps, float offset) { mt::pdl_enter();                                 \
+        rms_norm_parts_impl<T, 4>(parts, ps, S, res, rs, w, out, res_out, H, eps, offset);             \
         mt::pdl_exit();                                                                                \
     }                                                                                                  \
     extern "C" __global__ void rms_norm_scalar_##SUF(const T* x, long long xs, const T* res,           \

@@ -10,8 +10,12 @@ plan, our GEMV or cuBLASLt), each captured in a graph with PDL off and on:
   * gemm chain: R distinct weight copies of one shape (>= 400 MB in all, so nothing is served
     from the 50 MB L2 between uses), GEMMs back to back, 2 x R per graph. Bytes per call =
     weights + x + y; figure = bytes / time / copy bandwidth.
+  * k-split rows (where the tuner keeps it: the down projection at t >= 16): the same chain of
+    CudaOps.linear_parts, which leaves fp32 partials for the next add_rms_norm to sum; figure =
+    the plain GEMM's bytes / time (also with its own bytes, the partials written).
   * mlp chain: 8 layers of Qwen3.5-9B's MLP (add+RMSNorm -> gate_up 24576x4096 -> SiLU-mul ->
-    down 4096x12288), distinct weights per layer, each kernel reading the one before it.
+    down 4096x12288, through linear_parts as in a decoder layer), distinct weights per layer,
+    each kernel reading the one before it.
     Figure = weight bytes / time per layer / copy bandwidth (the small kernels' own bytes are
     counted as overhead).
 
@@ -35,7 +39,8 @@ import numpy as np  # noqa: E402
 
 import bench_ops as bo  # noqa: E402
 from metrale.backends import launch  # noqa: E402
-from metrale.backends.cuda import CudaOps  # noqa: E402
+from metrale.backends.cublaslt import KSPLIT_S  # noqa: E402
+from metrale.backends.cuda import CudaOps, SplitK  # noqa: E402
 
 SHAPES = [(12288, 4096), (4096, 12288), (248320, 4096)]    # [out x in], the issue's 9B shapes
 H, I = 4096, 12288                                           # Qwen3.5-9B hidden / MLP width
@@ -72,6 +77,24 @@ def gemm_chain(ops: CudaOps, ts, reps: int, copy_bw: float, shapes=SHAPES) -> li
                 s = graph_time(body, 2 * copies, reps, pdl)
                 row["pdl" if pdl else "plain"] = {"s": s, "frac_copy_bw": nbytes / s / copy_bw}
             row["plan"] = getattr(getattr(ops._blas(), "last_plan", None), "name", "gemmex")
+            ops.linear_parts(x, ws[0])                # decides the k-split for this key (after linear tuned it)
+            if isinstance(ops.linear_parts(x, ws[0]), SplitK):
+                # the k-split form (fp32 partials, summed by the next add_rms_norm): the GEMM alone,
+                # its bytes = weights + x + the partials it writes
+                def body_parts():
+                    for _ in range(2):
+                        for w in ws:
+                            ops.linear_parts(x, w)
+
+                pbytes = wbytes + 2 * t * k + KSPLIT_S * 4 * t * n
+                for pdl in (False, True):
+                    s = graph_time(body_parts, 2 * copies, reps, pdl)
+                    row["ksplit_pdl" if pdl else "ksplit_plain"] = {"s": s, "frac_copy_bw": nbytes / s / copy_bw,
+                                                                     "frac_copy_bw_own_bytes": pbytes / s / copy_bw}
+                row["ksplit_plan"] = ops._blas().last_plan.name
+                print(f"     k-split {row['ksplit_plan']:<60} plain {row['ksplit_plain']['s'] * 1e6:7.1f} us "
+                      f"{100 * row['ksplit_plain']['frac_copy_bw']:5.1f}%   pdl {row['ksplit_pdl']['s'] * 1e6:7.1f} us "
+                      f"{100 * row['ksplit_pdl']['frac_copy_bw']:5.1f}%", flush=True)
             rows.append(row)
             print(f"gemm {n:>6}x{k:<6} t={t:<3} {row['plan']:<52} plain {row['plain']['s'] * 1e6:7.1f} us "
                   f"{100 * row['plain']['frac_copy_bw']:5.1f}%   pdl {row['pdl']['s'] * 1e6:7.1f} us "
@@ -94,7 +117,7 @@ def mlp_chain(ops: CudaOps, ts, reps: int, copy_bw: float, layers: int = 8) -> l
             h, r = h0, r0
             for wn, wgu, wd in ws:
                 x, r = ops.add_rms_norm(h, r, wn, 1e-6, 1.0)
-                h = ops.linear(ops.silu_mul(ops.linear(x, wgu)), wd)
+                h = ops.linear_parts(ops.silu_mul(ops.linear(x, wgu)), wd)   # as DenseMLP in a layer
 
         row = {"t": t, "weight_bytes_per_layer": wbytes, "layers": layers}
         for pdl in (False, True):

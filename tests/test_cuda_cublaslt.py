@@ -364,3 +364,31 @@ def test_unsplit_copies_of_split_k_algorithms_are_candidates_and_correct(cp):
     assert g.last_plan.tuned and g.last_plan.candidates >= len(unsplit)
     assert rel_err(cp, y, ref) <= TOL[BF16], g.last_plan.name
     g.close()
+
+
+@gpu
+@pytest.mark.parametrize("mode", ["auto", "force"])
+def test_k_split_plan_partials_sum_to_the_product(cp, mode):
+    """ksplit_plan for the 9B down projection at t = 32: decided once, after the key's plain plan
+    is tuned; when it answers with a plan, run_ksplit's fp32 partials sum to x @ w.T. "force"
+    always answers with one; "auto" keeps it only when it times faster (either is valid here)."""
+    cp.random.seed(80)
+    t, n_out, k = 32, 4096, 12288
+    g = new_gemm()
+    g.ksplit_mode = mode
+    x, w = rnd(cp, (t, k), BF16), rnd(cp, (n_out, k), BF16, k ** -0.5)
+    args = (cp.cuda.get_current_stream().ptr, x.data.ptr, k, w.data.ptr, k, t, n_out, k, lt.CUDA_R_16BF)
+    assert g.ksplit_plan(*args) is None, "no k-split before the plain plan is tuned"
+    y = poisoned(cp, (t, n_out), BF16)
+    gemm(g, cp, x, w, y)                                      # tunes the plain plan
+    plan = g.ksplit_plan(*args)                               # decides
+    assert g.ksplit_plan(*args) is plan, "decided once"
+    if mode == "force":
+        assert plan is not None
+    if plan is not None:
+        parts = cp.full((lt.KSPLIT_S, t, n_out), cp.nan, dtype=cp.float32)
+        g.run_ksplit(plan, cp.cuda.get_current_stream().ptr, x.data.ptr, w.data.ptr, parts.data.ptr)
+        assert rel_err(cp, parts.sum(axis=0), reference(cp, x, w)) <= 1e-3, plan.name
+    small = (cp.cuda.get_current_stream().ptr, x.data.ptr, k, w.data.ptr, k, 8, n_out, k, lt.CUDA_R_16BF)
+    assert g.ksplit_plan(*small) is None, "fewer rows than KSPLIT_MIN_T: never split"
+    g.close()

@@ -114,6 +114,59 @@ def test_rms_norm_and_add(ops, dtype, rows, h, offset):
     assert res is dx
 
 
+@pytest.mark.parametrize("t", [16, 64])
+def test_k_split_down_projection_into_add_rms_norm(t):
+    """The 9B down projection (4096 x 12288) as linear_parts: with the k-split plan forced, the
+    result is fp32 partials (SplitK) that add_rms_norm sums on the way in. Against the CPU spec of
+    add_rms_norm(linear(x, w), residual): bf16 tolerance; residual None and a captured graph
+    (replayed with new inputs) too. The first call of a shape tunes and runs plain."""
+    import cupy
+
+    from metrale.backends.cuda import CudaOps, SplitK
+
+    o = CudaOps()
+    o.poison = True
+    blas = o._blas()
+    blas.ksplit_mode = "force"
+    rng = np.random.default_rng(t)
+    h, i = 4096, 12288
+    x, r = rnd(rng, (t, i), BF16), rnd(rng, (t, h), BF16)
+    w, nw = rnd(rng, (h, i), BF16, i ** -0.5), rnd(rng, (h,), BF16, 0.5)
+    dx, dr, dw, dnw = (o.asarray(a, BF16) for a in (x, r, w, nw))
+    ref = CpuOps(BF16)
+    rout, rres = ref.add_rms_norm(ref.linear(x, w), r, nw, 1e-6, 1.0)
+    first = o.linear_parts(dx, dw)                    # tunes plain, then decides the k-split
+    assert not isinstance(first, SplitK)
+    y = o.linear_parts(dx, dw)
+    assert isinstance(y, SplitK), "k-split plan forced but not used"
+    assert y.shape == (t, h) and y.parts.dtype == np.float32
+    check(o.to_numpy(y.materialize()), ref.linear(x, w), BF16, "materialized partials")
+    out, res = o.add_rms_norm(y, dr, dnw, 1e-6, 1.0)
+    check(o.to_numpy(res), rres, BF16, "k-split add_rms_norm residual")
+    check(o.to_numpy(out), rout, BF16, "k-split add_rms_norm out")
+    out0, _ = o.add_rms_norm(o.linear_parts(dx, dw), None, dnw, 1e-6, 1.0)   # no residual: materialized
+    check(o.to_numpy(out0), ref.rms_norm(ref.linear(x, w), nw, 1e-6, 1.0), BF16, "k-split, residual None")
+    # graph capture: the same ops replay with new contents of x
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        gx = dx.copy()
+        stream.synchronize()
+        stream.begin_capture()
+        g_out, g_res = o.add_rms_norm(o.linear_parts(gx, dw), dr, dnw, 1e-6, 1.0)
+        graph = stream.end_capture()
+        x2 = rnd(rng, (t, i), BF16)
+        gx[...] = o.asarray(x2, BF16)
+        graph.launch(stream)
+        stream.synchronize()
+    rout2, rres2 = ref.add_rms_norm(ref.linear(x2, w), r, nw, 1e-6, 1.0)
+    check(o.to_numpy(g_res), rres2, BF16, "graph replay residual")
+    check(o.to_numpy(g_out), rout2, BF16, "graph replay out")
+
+
+def o.to_numpy(a):
+    return o.to_numpy(a)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_strided_and_3d(ops, dtype):
     rng = np.random.default_rng(3)

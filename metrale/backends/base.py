@@ -59,6 +59,11 @@ class Ops(Protocol):
     def linear(self, x: Array, w: Array, bias: Array | None = None) -> Array:
         """x @ w.T (+ bias): [T, in] x [out, in] -> [T, out], fp32 accumulation."""
 
+    def linear_parts(self, x: Array, w: Array):
+        """x @ w.T where the result goes straight into add_rms_norm (as its x): a backend may
+        return it in a form only add_rms_norm reads (CudaOps: fp32 partials of a k-split GEMM);
+        otherwise it is linear(x, w)."""
+
     # -- attention -----------------------------------------------------------------------------
     def head_rms_norm(self, x: Array, w: Array, eps: float, offset: float) -> Array:
         """RMSNorm of each head vector: x [T, heads, D], w [D]."""

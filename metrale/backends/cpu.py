@@ -194,6 +194,9 @@ class CpuOps:
             y = y + _f32(bias)
         return self._out(y)
 
+    def linear_parts(self, x, w):
+        return self.linear(x, w)   # nothing to defer on the CPU
+
     # -- attention -------------------------------------------------------------------------
     def head_rms_norm(self, x, w, eps, offset):
         return self.rms_norm(x, w, eps, offset)

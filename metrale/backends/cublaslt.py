@@ -100,6 +100,18 @@ GEMV_R = (2, 4)
 GEMV_KS_LOG2 = (0, 1, 2)
 GEMV_WARPS = 4
 
+# cublasLtMatrixLayoutAttribute_t
+CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT = 5             # int32_t
+CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET = 6    # int64_t
+# k-split GEMMs (LtGemm.ksplit_plan): the product as KSPLIT_S fp32 partials over slices of k, one
+# strided-batched cuBLASLt call, summed by the consumer (CudaOps.add_rms_norm); tried for decode
+# buckets with at least KSPLIT_MIN_T rows, kept when faster than the tuned plain plan by
+# WIN_MARGIN plus the consumer's extra reads (the partials: S x 4 bytes per output instead of 2)
+# at KSPLIT_READ_BYTES_PER_S
+KSPLIT_S = 2
+KSPLIT_MIN_T = 16
+KSPLIT_READ_BYTES_PER_S = 3.0e12
+
 _ITEMSIZE = {CUDA_R_16BF: 2, CUDA_R_16F: 2, CUDA_R_32F: 4}
 
 
@@ -134,6 +146,7 @@ def declare(lib: ctypes.CDLL):
         "cublasLtMatmulDescSetAttribute": [vp, i, vp, sz],
         "cublasLtMatrixLayoutCreate": [P(vp), i, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64],
         "cublasLtMatrixLayoutDestroy": [vp],
+        "cublasLtMatrixLayoutSetAttribute": [vp, i, vp, sz],
         "cublasLtMatmulPreferenceCreate": [P(vp)],
         "cublasLtMatmulPreferenceDestroy": [vp],
         "cublasLtMatmulPreferenceSetAttribute": [vp, i, vp, sz],
@@ -301,6 +314,9 @@ class LtGemm:
         self._stream = None              # private stream the tuning runs on
         self.last_plan: Plan | None = None
         self.tune_seconds = 0.0          # wall time spent tuning, all keys
+        self._ksplit: dict = {}          # k-split key -> Plan (algo None: plain wins) | None (n/a)
+        self._ksplit_layouts: dict = {}  # (dtype, t, n_out, k slice, x_ld, w_ld, parts) -> (A, B, D) layouts
+        self.ksplit_mode = "auto"        # "auto": timed against the plain plan; "force" (tests); "off"
 
     @classmethod
     def open(cls, major: int | None = None, workspace_bytes: int = _cublas.WORKSPACE_BYTES,
@@ -567,6 +583,150 @@ class LtGemm:
             return Plan(name=f"gemmex (t={src_t}'s algo does not fit)", tuned=True)
         return Plan(algo, layouts, f"{src.name} (as t={src_t})", src.algo_id, tuned=True)
 
+    # -- k-split GEMMs: partial products for the consumer to sum --------------------------------
+    def _ksplit_layout_handles(self, t: int, n_out: int, k: int, x_ld: int, w_ld: int, code: int, parts: int):
+        """Strided-batched layouts of the k slices: A = w[:, s*ks:(s+1)*ks] (column-major ks x n_out,
+        ld w_ld, batch offset ks), B = x[:, slice] likewise, D = fp32 partial s ([t, n_out]
+        row-major, offset t * n_out)."""
+        ks = k // parts
+        key = (code, t, n_out, ks, x_ld, w_ld, parts)
+        lays = self._ksplit_layouts.get(key)
+        if lays is None:
+            lays = []
+            for dtype, rows, cols, ld, off in ((code, ks, n_out, w_ld, ks), (code, ks, t, x_ld, ks),
+                                               (CUDA_R_32F, n_out, t, n_out, t * n_out)):
+                h = ctypes.c_void_p()
+                self._check(self.lib.cublasLtMatrixLayoutCreate(ctypes.byref(h), dtype, rows, cols, ld),
+                            "cublasLtMatrixLayoutCreate")
+                b, o = ctypes.c_int32(parts), ctypes.c_int64(off)
+                self._check(self.lib.cublasLtMatrixLayoutSetAttribute(
+                    h, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, ctypes.byref(b), ctypes.sizeof(b)),
+                    "cublasLtMatrixLayoutSetAttribute(BATCH_COUNT)")
+                self._check(self.lib.cublasLtMatrixLayoutSetAttribute(
+                    h, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, ctypes.byref(o), ctypes.sizeof(o)),
+                    "cublasLtMatrixLayoutSetAttribute(STRIDED_BATCH_OFFSET)")
+                lays.append(h.value)
+            lays = self._ksplit_layouts[key] = tuple(lays)
+        return lays
+
+    def ksplit_plan(self, stream_ptr: int, x_ptr: int, x_ld: int, w_ptr: int, w_ld: int, t: int, n_out: int,
+                    k: int, dtype_code: int) -> Plan | None:
+        """How to compute x @ w.T as KSPLIT_S fp32 partials (one strided-batched call over slices
+        of k; the caller sums them): a Plan when that beats the key's tuned plain plan, else None.
+
+        Why: the 9B down projection (4096 x 12288) at t = 32-64 has too few output tiles for the
+        132 SMs; cuBLASLt's own split-K then runs a second reduction kernel (4-5 us alone) and
+        streams the weight at 78-84 % of copy bandwidth, every other choice lower. As partials
+        summed by the next kernel (which reads the GEMM's output anyway) the same tiles stream at
+        89 % (H200, 2026-11-30, chains of 4 weights). Decided once per key outside capture (the
+        key's plain plan must be tuned first: it is the baseline); during capture, or for row
+        counts that are not decode buckets, the answer is whatever is cached, else None."""
+        if (self.mode != "tune" or self.ksplit_mode == "off" or dtype_code not in (CUDA_R_16BF, CUDA_R_16F)
+                or t not in self.tune_t or t < KSPLIT_MIN_T or k % (8 * KSPLIT_S)
+                or x_ld % 8 or w_ld % 8 or n_out * k < TUNE_MIN_WEIGHTS):
+            return None
+        key = (t, n_out, k, x_ld, w_ld, dtype_code, _align(x_ptr), _align(w_ptr))
+        if key in self._ksplit:
+            plan = self._ksplit[key]
+            return plan if plan is not None and plan.algo is not None else None
+        if _capturing(stream_ptr):
+            return None
+        base = next((p for pk, p in self._plans.items()
+                     if pk[:8] == (t, n_out, k, x_ld, w_ld, n_out, dtype_code, False) and pk[8:10] == key[6:8]), None)
+        if base is None or not base.tuned or base.time_s is None:
+            return None                      # the plain plan is tuned by the key's first linear()
+        plan = self._tune_ksplit(key, stream_ptr, x_ptr, w_ptr, base)
+        self._ksplit[key] = plan
+        return plan if plan is not None and plan.algo is not None else None
+
+    def run_ksplit(self, plan: Plan, stream_ptr: int, x_ptr: int, w_ptr: int, parts_ptr: int) -> None:
+        """parts[s] = x[:, slice s] @ w[:, slice s].T (fp32 [KSPLIT_S, t, n_out], contiguous)."""
+        a_lay, b_lay, d_lay = plan.layouts
+        self.last_plan = plan
+        foreign_launch()
+        self._check(self.lib.cublasLtMatmul(
+            self.handle, self.desc, self._p_one, w_ptr, a_lay, x_ptr, b_lay, self._p_zero, parts_ptr, d_lay,
+            parts_ptr, d_lay, plan.p_algo, self.workspace_ptr, self.workspace_bytes, stream_ptr or None),
+            "cublasLtMatmul (k-split)")
+
+    def _tune_ksplit(self, key, stream_ptr: int, x_ptr: int, w_ptr: int, base: Plan) -> Plan | None:
+        import cupy
+
+        t0 = time.perf_counter()
+        t, n_out, k, x_ld, w_ld, code = key[:6]
+        layouts = self._ksplit_layout_handles(t, n_out, k, x_ld, w_ld, code, KSPLIT_S)
+        a_lay, b_lay, d_lay = layouts
+        found = []
+        pref = ctypes.c_void_p()
+        self._check(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
+        try:
+            ws = ctypes.c_uint64(self.workspace_bytes)
+            self._check(self.lib.cublasLtMatmulPreferenceSetAttribute(
+                pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, ctypes.byref(ws), ctypes.sizeof(ws)),
+                "cublasLtMatmulPreferenceSetAttribute(MAX_WORKSPACE_BYTES)")
+            results = (HeuristicResult * MAX_HEURISTICS)()
+            n = ctypes.c_int(0)
+            if self.lib.cublasLtMatmulAlgoGetHeuristic(self.handle, self.desc, a_lay, b_lay, d_lay, d_lay, pref,
+                                                       MAX_HEURISTICS, results, ctypes.byref(n)) == 0:
+                found = [MatmulAlgo.from_buffer_copy(results[j].algo) for j in range(n.value)
+                         if results[j].state == 0 and results[j].workspaceSize <= self.workspace_bytes]
+        finally:
+            self.lib.cublasLtMatmulPreferenceDestroy(pref)
+        seen = {bytes(a) for a in found}
+        algos = found + [a for a in self._unsplit_variants(found, layouts) if bytes(a) not in seen]
+        if not algos:
+            return None
+        cupy.cuda.runtime.streamSynchronize(stream_ptr)      # the operands are ready
+        if self._stream is None:
+            self._stream = cupy.cuda.Stream()
+        ts = self._stream
+        parts = cupy.zeros((KSPLIT_S, t, n_out), dtype=cupy.float32)
+        ref = cupy.empty((t, n_out), dtype=_np_dtype(code))
+        cupy.cuda.get_current_stream().synchronize()
+        self.blas.gemm_rowmajor_xwT(ts.ptr, x_ptr, x_ld, w_ptr, w_ld, ref.data.ptr, n_out, t, n_out, k, code)
+        ts.synchronize()
+        ref32 = ref.astype(cupy.float32)
+        ref_norm = float(cupy.sqrt((ref32 * ref32).sum()))
+        calls = max(1, min(32, int(GRAPH_TARGET_S / max(base.time_s, 1e-7))))
+        best, best_s = None, None
+        for algo in algos:
+            if time.perf_counter() - t0 > TUNE_BUDGET_S:
+                break
+            name, aid = self.describe(algo)
+            plan = Plan(algo, layouts, f"ksplit{KSPLIT_S}:{name}", aid, tuned=True)
+            try:
+                parts.fill(0)
+                cupy.cuda.get_current_stream().synchronize()
+                self.run_ksplit(plan, ts.ptr, x_ptr, w_ptr, parts.data.ptr)
+                ts.synchronize()
+                if math.isfinite(ref_norm):
+                    d = parts.sum(axis=0) - ref32
+                    if float(cupy.sqrt((d * d).sum())) > 2e-2 * ref_norm:
+                        log.warning("gemm k-split %s: %s disagrees with cublasGemmEx; not used", key[:6], name)
+                        continue
+                s = self._time_graph(lambda plan=plan: self.run_ksplit(plan, ts.ptr, x_ptr, w_ptr, parts.data.ptr),
+                                     calls, GRAPH_REPLAYS)
+            except (RuntimeError, cupy.cuda.runtime.CUDARuntimeError, cupy.cuda.driver.CUDADriverError) as e:
+                log.debug("gemm k-split %s: %s failed: %s", key[:6], name, e)
+                continue
+            plan.time_s = s
+            if best_s is None or s < best_s:
+                best, best_s = plan, s
+        ts.synchronize()
+        elapsed = time.perf_counter() - t0
+        self.tune_seconds += elapsed
+        if best is None:
+            return None
+        extra_s = (4 * KSPLIT_S - 2) * t * n_out / KSPLIT_READ_BYTES_PER_S
+        best.gemmex_s, best.tune_s = base.time_s, elapsed
+        wins = best_s + extra_s < base.time_s * (1 - WIN_MARGIN)
+        log.debug("gemm k-split t=%d n_out=%d k=%d: %s %.1f us (+%.1f us reading partials) vs %s %.1f us: %s",
+                  t, n_out, k, best.name, best_s * 1e6, extra_s * 1e6, base.name, base.time_s * 1e6,
+                  "k-split" if wins else "plain")
+        if wins or self.ksplit_mode == "force":
+            return best
+        return Plan(name=f"plain ({base.name})", tuned=True)   # decided: plain
+
     def _own_applies(self, key) -> bool:
         t, _n_out, k, x_ld, w_ld, _y_ld, code = key[:7]
         return self.own_gemv is not None and OwnGemv.applies(t, k, x_ld, w_ld, code, key[8], key[9])
@@ -720,9 +880,11 @@ class LtGemm:
         return {key: plan.as_dict() for key, plan in self._plans.items()}
 
     def close(self) -> None:
-        for lay in self._layouts.values():
+        for lay in [*self._layouts.values(), *(h for hs in self._ksplit_layouts.values() for h in hs)]:
             self.lib.cublasLtMatrixLayoutDestroy(lay)
         self._layouts.clear()
+        self._ksplit_layouts.clear()
+        self._ksplit.clear()
         self._plans.clear()
         self._provisional.clear()
         self._tuned.clear()

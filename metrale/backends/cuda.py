@@ -162,6 +162,19 @@ def _aligned(*arrays) -> bool:
     return all(a is None or a.data.ptr % 16 == 0 for a in arrays)
 
 
+class SplitK:
+    """A GEMM's output left as fp32 partial products over slices of k ([S, T, N], summed by the
+    consumer): what CudaOps.linear_parts returns when the k-split plan wins (cublaslt.py
+    ksplit_plan). add_rms_norm takes it as its x; `materialize` gives the plain [.., N] array."""
+    __slots__ = ("parts", "shape", "dtype")
+
+    def __init__(self, parts, shape: tuple, dtype):
+        self.parts, self.shape, self.dtype = parts, tuple(shape), dtype
+
+    def materialize(self):
+        return self.parts.sum(axis=0).astype(self.dtype).reshape(self.shape)
+
+
 def _block_for(per_row: int) -> int:
     """Threads for one-block-per-row kernels: `per_row` rounded up to whole warps, 32..1024."""
     return min(1024, max(32, -(-per_row // 32) * 32))
@@ -372,9 +385,34 @@ class CudaOps:
         return self._rms(x, None, w, eps, offset)[0]
 
     def add_rms_norm(self, x, residual, w, eps, offset):
+        if isinstance(x, SplitK):
+            done = self._rms_parts(x, residual, w, eps, offset)
+            if done is not None:
+                return done
+            x = x.materialize()
         if residual is None:
             return self.rms_norm(x, w, eps, offset), x
         return self._rms(x, residual, w, eps, offset)
+
+    def _rms_parts(self, x: SplitK, residual, w, eps, offset):
+        """add_rms_norm of a k-split GEMM's partials in one kernel (they are summed on the way in),
+        or None where the vector kernel does not apply (the caller materializes x instead)."""
+        if residual is None or residual.dtype != x.dtype or w.dtype != x.dtype:
+            return None
+        parts = x.parts
+        s_, rows, h = parts.shape
+        r2, rs = self._rows(residual)
+        n = 16 // x.dtype.itemsize
+        if h % n or rs % n or h // n > 4096 or r2.shape != (rows, h) or not _aligned(parts, r2, w):
+            return None
+        out = self._new((rows, h), x.dtype)
+        res_out = self._new((rows, h), x.dtype)
+        if rows:
+            threads = _block_for(-(-(h // n) // 4))
+            self.kernel("elementwise", f"rms_norm_parts_{self._suffix(residual)}")(
+                (rows,), (threads,), (_ptr(parts), np.int64(rows * h), np.int32(s_), _ptr(r2), np.int64(rs), _ptr(w),
+                                      _ptr(out), _ptr(res_out), np.int32(h), np.float32(eps), np.float32(offset)))
+        return out.reshape(x.shape), res_out.reshape(x.shape)
 
     def silu_mul(self, x):
         shape = x.shape
@@ -456,6 +494,32 @@ class CudaOps:
         return self._cublas
 
     _GEMM_TYPES = {BF16: _cublas.CUDA_R_16BF, F32: _cublas.CUDA_R_32F, np.dtype(np.float16): _cublas.CUDA_R_16F}
+
+    def linear_parts(self, x, w):
+        """x @ w.T for a consumer that is add_rms_norm (a layer's last projection): a SplitK of
+        fp32 partials when the GEMM tuner's k-split plan beats the plain one for this shape
+        (cublaslt.py ksplit_plan: the 9B down projection at 16-64 rows), else linear(x, w).
+        The first call of a shape runs plain (and tunes both)."""
+        blas = self._blas()
+        ksplit = getattr(blas, "ksplit_plan", None)
+        if ksplit is None or w.dtype != x.dtype or w.ndim != 2 or x.shape[-1] != w.shape[1]:
+            return self.linear(x, w)
+        code = self._GEMM_TYPES.get(np.dtype(x.dtype))
+        x2, xs = self._rows(x)
+        t, k = x2.shape
+        n_out = w.shape[0]
+        if code is None or _estride(w, 1) != 1:
+            return self.linear(x, w)
+        plan = ksplit(self.stream_ptr, x2.data.ptr, max(xs, k), w.data.ptr, _estride(w, 0), t, n_out, k, code)
+        if plan is None:
+            y = self.linear(x, w)
+            ksplit(self.stream_ptr, x2.data.ptr, max(xs, k), w.data.ptr, _estride(w, 0), t, n_out, k, code)
+            return y      # the first call decides (after linear tuned the plain plan); this one is plain
+        from metrale.backends.cublaslt import KSPLIT_S
+
+        parts = self._new((KSPLIT_S, t, n_out), F32)
+        blas.run_ksplit(plan, self.stream_ptr, x2.data.ptr, w.data.ptr, parts.data.ptr)
+        return SplitK(parts, (*x.shape[:-1], n_out), x.dtype)
 
     def linear(self, x, w, bias=None):
         """y = x @ w.T (+ bias) via cublasGemmEx, fp32 compute, output in x's dtype."""

@@ -158,16 +158,22 @@ def _split_gated_q(q: np.ndarray, n_heads: int, head_dim: int) -> np.ndarray:
 
 
 class DenseMLP:
-    """SwiGLU MLP: down(silu(gate(x)) * up(x)) with gate|up fused."""
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)) with gate|up fused. `into_norm`: the output goes
+    straight into the next add_rms_norm (a decoder layer's MLP), so the down projection may come
+    back in the backend's deferred form (ops.linear_parts); False where it is added elsewhere (a
+    MoE's shared expert)."""
 
-    def __init__(self, w: Weights, hidden: int, intermediate: int):
+    def __init__(self, w: Weights, hidden: int, intermediate: int, into_norm: bool = False):
         self.ops = w.ops
         self.gate_up = w.rows([("gate_proj.weight", (intermediate, hidden)),
                                ("up_proj.weight", (intermediate, hidden))])
         self.down = w.get("down_proj.weight", (hidden, intermediate))
+        self.into_norm = into_norm
 
     def __call__(self, x, batch=None, caches=None):
-        return self.ops.linear(self.ops.silu_mul(self.ops.linear(x, self.gate_up)), self.down)
+        ops = self.ops
+        act = ops.silu_mul(ops.linear(x, self.gate_up))
+        return ops.linear_parts(act, self.down) if self.into_norm else ops.linear(act, self.down)
 
 
 class SparseMoe:

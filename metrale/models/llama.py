@@ -41,7 +41,7 @@ def build_llama_family(ckpt: Checkpoint, ops) -> CausalLM:
         w = root.sub(f"model.layers.{i}.")
         attn = Attention(w.sub("self_attn."), i, hidden, shape, norm, rope, qkv_bias, o_bias,
                          qk_norm=model_type == "qwen3")
-        mlp = DenseMLP(w.sub("mlp."), hidden, config["intermediate_size"])
+        mlp = DenseMLP(w.sub("mlp."), hidden, config["intermediate_size"], into_norm=True)
         layers.append(DecoderLayer(ops, attn, mlp, w.get("input_layernorm.weight", (hidden,)),
                                    w.get("post_attention_layernorm.weight", (hidden,)), norm))
     embed, lm_head = load_embeddings(root, config, "model.")

@@ -88,7 +88,7 @@ def _mlp(w: Weights, config: dict, moe: bool):
     no mlp_only_layers / decoder_sparse_step, so neither is read here)."""
     hidden = config["hidden_size"]
     if not moe:
-        return DenseMLP(w, hidden, config["intermediate_size"])
+        return DenseMLP(w, hidden, config["intermediate_size"], into_norm=True)
     return SparseMoe(w, hidden, config["num_experts"], config["moe_intermediate_size"],
                      config["num_experts_per_tok"], bool(config.get("norm_topk_prob", True)),
                      config.get("shared_expert_intermediate_size", 0))
