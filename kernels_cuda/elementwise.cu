@@ -14,9 +14,9 @@
 //                  does). out = r * rsqrt(mean(r^2) + eps) * (offset + w), fp32 inside.
 //                  One block per row; the row stays in registers (16-byte loads). Moves
 //                  (2 or 4) * R*H*sizeof(T) bytes.
-// rms_norm_parts   the same with x given as S fp32 partials parts[S][R][H] (part stride ps): x is
+// rms_norm_parts2  the same with x given as 2 fp32 partials parts[2][R][H] (part stride ps): x is
 //                  their sum in order, rounded to T once (a k-split GEMM's deferred reduction);
-//                  vector path only (H % 8 == 0, 16-byte aligned). Moves (4S + 2 or 4) * R*H bytes.
+//                  vector path only (H % 8 == 0, 16-byte aligned). Moves (8 + 2 or 4) * R*H bytes.
 // head_norm_rope   x T[T, Hh, D] (strides xs_t, xs_h) -> y T[T, Hh, D] (strides ys_t, ys_h;
 //                  may alias x). Optional head RMSNorm (w T[D] or null) then optional NeoX
 //                  rotate-half rotary on the first `rot` dims (positions int32 [T] or null,
@@ -128,29 +128,35 @@ __device__ void rms_norm_vec_impl(const T* x, long long xs, const T* res, long l
 // x given as S fp32 partial products (a k-split GEMM's output, metrale/backends/cublaslt.py
 // ksplit_plan): parts[s][row][H] contiguous, part stride ps. x = the partials summed in order
 // s = 0..S-1 in fp32 and rounded to T once (what the GEMM would have stored), then as above.
-template <typename T, int MAXV>
-__device__ void rms_norm_parts_impl(const float* parts, long long ps, int S, const T* res, long long rs,
+// S is a template argument so that every load of a thread's vectors is issued before the first
+// add (a runtime loop over S serialised them: this kernel runs with few rows, latency-bound).
+template <typename T, int MAXV, int S>
+__device__ void rms_norm_parts_impl(const float* parts, long long ps, const T* res, long long rs,
                                     const T* w, T* out, T* res_out, int H, float eps, float offset) {
     constexpr int N = Vec16<T>::N;
     const float* xr = parts + (long long)blockIdx.x * H;
     auto load_x = [&](int i) {
-        float acc[N];
+        float4 v[S][N / 4];
 #pragma unroll
-        for (int e = 0; e < N; ++e) acc[e] = 0.f;
-        for (int sl = 0; sl < S; ++sl) {
-            const float4* p = reinterpret_cast<const float4*>(xr + sl * ps + (long long)i * N);
+        for (int sl = 0; sl < S; ++sl)
 #pragma unroll
-            for (int q = 0; q < N / 4; ++q) {
-                const float4 v = p[q];
-                acc[4 * q] += v.x;
-                acc[4 * q + 1] += v.y;
-                acc[4 * q + 2] += v.z;
-                acc[4 * q + 3] += v.w;
-            }
-        }
+            for (int q = 0; q < N / 4; ++q) v[sl][q] = reinterpret_cast<const float4*>(xr + sl * ps + (long long)i * N)[q];
         Vec16<T> a;
 #pragma unroll
-        for (int e = 0; e < N; ++e) a.v[e] = from_f<T>(acc[e]);
+        for (int q = 0; q < N / 4; ++q) {
+            float4 acc = v[0][q];
+#pragma unroll
+            for (int sl = 1; sl < S; ++sl) {
+                acc.x += v[sl][q].x;
+                acc.y += v[sl][q].y;
+                acc.z += v[sl][q].z;
+                acc.w += v[sl][q].w;
+            }
+            a.v[4 * q] = from_f<T>(acc.x);
+            a.v[4 * q + 1] = from_f<T>(acc.y);
+            a.v[4 * q + 2] = from_f<T>(acc.z);
+            a.v[4 * q + 3] = from_f<T>(acc.w);
+        }
         return a.u;
     };
     rms_norm_vec_rows<T, MAXV>(load_x, res, rs, w, out, res_out, H, eps, offset);
@@ -380,10 +386,10 @@ __device__ void bias_add_impl(T* y, const T* b, long long rows, int n) {
         rms_norm_vec_impl<T, 4>(x, xs, res, rs, w, out, res_out, H, eps, offset);                      \
         mt::pdl_exit();                                                                                \
     }                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(1024) rms_norm_parts_##SUF(                          \
-        const float* parts, long long ps, int S, const T* res, long long rs, const T* w, T* out,        \
-        T* res_out, int H, float eps, float offset) { mt::pdl_enter();                                 \
-        rms_norm_parts_impl<T, 4>(parts, ps, S, res, rs, w, out, res_out, H, eps, offset);             \
+    extern "C" __global__ void __launch_bounds__(1024) rms_norm_parts2_##SUF(                         \
+        const float* parts, long long ps, const T* res, long long rs, const T* w, T* out, T* res_out,   \
+        int H, float eps, float offset) { mt::pdl_enter();                                             \
+        rms_norm_parts_impl<T, 4, 2>(parts, ps, res, rs, w, out, res_out, H, eps, offset);             \
         mt::pdl_exit();                                                                                \
     }                                                                                                  \
     extern "C" __global__ void rms_norm_scalar_##SUF(const T* x, long long xs, const T* res,           \

@@ -163,10 +163,6 @@ def test_k_split_down_projection_into_add_rms_norm(t):
     check(o.to_numpy(g_out), rout2, BF16, "graph replay out")
 
 
-def o.to_numpy(a):
-    return o.to_numpy(a)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_strided_and_3d(ops, dtype):
     rng = np.random.default_rng(3)

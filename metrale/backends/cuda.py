@@ -397,10 +397,10 @@ class CudaOps:
     def _rms_parts(self, x: SplitK, residual, w, eps, offset):
         """add_rms_norm of a k-split GEMM's partials in one kernel (they are summed on the way in),
         or None where the vector kernel does not apply (the caller materializes x instead)."""
-        if residual is None or residual.dtype != x.dtype or w.dtype != x.dtype:
-            return None
         parts = x.parts
         s_, rows, h = parts.shape
+        if residual is None or residual.dtype != x.dtype or w.dtype != x.dtype or s_ != 2:
+            return None
         r2, rs = self._rows(residual)
         n = 16 // x.dtype.itemsize
         if h % n or rs % n or h // n > 4096 or r2.shape != (rows, h) or not _aligned(parts, r2, w):
@@ -408,9 +408,11 @@ class CudaOps:
         out = self._new((rows, h), x.dtype)
         res_out = self._new((rows, h), x.dtype)
         if rows:
-            threads = _block_for(-(-(h // n) // 4))
-            self.kernel("elementwise", f"rms_norm_parts_{self._suffix(residual)}")(
-                (rows,), (threads,), (_ptr(parts), np.int64(rows * h), np.int32(s_), _ptr(r2), np.int64(rs), _ptr(w),
+            # one 16-byte vector per thread up to 1024 (all of a thread's loads in flight at once:
+            # the k-split runs at 16-64 rows, so this kernel is latency-bound), then up to 4
+            threads = _block_for(h // n if h // n <= 1024 else -(-(h // n) // 4))
+            self.kernel("elementwise", f"rms_norm_parts2_{self._suffix(residual)}")(
+                (rows,), (threads,), (_ptr(parts), np.int64(rows * h), _ptr(r2), np.int64(rs), _ptr(w),
                                       _ptr(out), _ptr(res_out), np.int32(h), np.float32(eps), np.float32(offset)))
         return out.reshape(x.shape), res_out.reshape(x.shape)
 
