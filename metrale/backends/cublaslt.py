@@ -32,6 +32,13 @@ counts every weight size is tuned (the TUNE_MIN_WEIGHTS skip holds for t > GEMV_
 the kernel does not apply); row counts between the decode buckets borrow a tuned gemv plan only
 when t <= GEMV_MAX_T (the kernel variant is the smallest compiled T >= t).
 
+Candidates besides the heuristic's answers: the heuristic's split-K algorithms unsplit (their
+reduction kernel costs more than the split gains on the 9B decode shapes), split-K variants of
+unsplit ones, cublasGemmEx and our GEMVs. And for a consumer that sums partials itself
+(CudaOps.linear_parts -> add_rms_norm), `ksplit_plan`: the product as fp32 partials over two
+slices of k in one strided-batched call, kept per shape when it beats the plain plan with the
+weight out of L2 (kernels_cuda/README.md has the measurements).
+
 Every enum value and struct layout below is from cublasLt.h of the nvidia-cublas 13.10.0.20 wheel
 (nvidia/cu13/include/cublasLt.h), checked by compiling a C file against it (sizeof / offsetof /
 enum values); the comments name the header's identifiers. These values have been stable across
