@@ -398,9 +398,10 @@ class LtGemm:
                  f"cluster={self._cfg(algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, u16)}"]
         return "lt[" + " ".join(parts) + "]", aid
 
-    def _heuristics(self, key, layouts, count: int) -> list[HeuristicResult]:
+    def _heuristics(self, key, layouts, count: int, aligns: tuple | None = None) -> list[HeuristicResult]:
         """cublasLtMatmulAlgoGetHeuristic for `key`, restricted to algorithms that fit the
-        workspace and the pointers' actual alignment; [] when cuBLASLt has none."""
+        workspace and the pointers' actual alignment (`aligns` = x, w, y; default key[8:11]);
+        [] when cuBLASLt has none."""
         a_lay, b_lay, c_lay = layouts
         pref = ctypes.c_void_p()
         self._check(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
@@ -409,7 +410,7 @@ class LtGemm:
             self._check(self.lib.cublasLtMatmulPreferenceSetAttribute(
                 pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, ctypes.byref(ws), ctypes.sizeof(ws)),
                 "cublasLtMatmulPreferenceSetAttribute(MAX_WORKSPACE_BYTES)")
-            x_al, w_al, y_al = key[8:11]
+            x_al, w_al, y_al = aligns or key[8:11]
             for attr, al in ((CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, w_al),
                              (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, x_al),
                              (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, y_al),
@@ -438,30 +439,35 @@ class LtGemm:
         of partials; the same tile unsplit streams the weight faster on the H200 (2026-11-30,
         down 4096x12288 in a chain of 4 weights: 88 % of copy bandwidth at t = 4 and 8, 86 % at
         t = 16, against 81-83 % split)."""
-        a_lay, b_lay, c_lay = layouts
         out = []
         for base in bases:
             if self._cfg(base, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) in (None, 0, 1):
                 continue
-            algo = MatmulAlgo.from_buffer_copy(base)
-            sv, rv = ctypes.c_int32(1), ctypes.c_uint32(CUBLASLT_REDUCTION_SCHEME_NONE)
-            if (self.lib.cublasLtMatmulAlgoConfigSetAttribute(
-                    ctypes.byref(algo), CUBLASLT_ALGO_CONFIG_SPLITK_NUM, ctypes.byref(sv), 4) != 0
-                    or self.lib.cublasLtMatmulAlgoConfigSetAttribute(
-                        ctypes.byref(algo), CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, ctypes.byref(rv), 4) != 0):
-                continue
-            res = HeuristicResult()
-            st = self.lib.cublasLtMatmulAlgoCheck(self.handle, self.desc, a_lay, b_lay, c_lay, c_lay,
-                                                  ctypes.byref(algo), ctypes.byref(res))
-            if st == 0 and res.workspaceSize <= self.workspace_bytes:
+            algo = self._split_copy(base, 1, CUBLASLT_REDUCTION_SCHEME_NONE, layouts)
+            if algo is not None:
                 out.append(algo)
         return out
+
+    def _split_copy(self, base: MatmulAlgo, split: int, scheme: int, layouts) -> MatmulAlgo | None:
+        """A copy of `base` with SPLITK_NUM = split and REDUCTION_SCHEME = scheme, if cuBLASLt
+        accepts it for these layouts (cublasLtMatmulAlgoCheck) within our workspace; else None."""
+        a_lay, b_lay, c_lay = layouts
+        algo = MatmulAlgo.from_buffer_copy(base)
+        sv, rv = ctypes.c_int32(split), ctypes.c_uint32(scheme)
+        if (self.lib.cublasLtMatmulAlgoConfigSetAttribute(
+                ctypes.byref(algo), CUBLASLT_ALGO_CONFIG_SPLITK_NUM, ctypes.byref(sv), 4) != 0
+                or self.lib.cublasLtMatmulAlgoConfigSetAttribute(
+                    ctypes.byref(algo), CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, ctypes.byref(rv), 4) != 0):
+            return None
+        res = HeuristicResult()
+        st = self.lib.cublasLtMatmulAlgoCheck(self.handle, self.desc, a_lay, b_lay, c_lay, c_lay,
+                                              ctypes.byref(algo), ctypes.byref(res))
+        return algo if st == 0 and res.workspaceSize <= self.workspace_bytes else None
 
     def _splitk_variants(self, bases: list[MatmulAlgo], layouts, k: int) -> list[MatmulAlgo]:
         """Split-K copies of the best heuristic algorithms that support it (the cure for few
         output tiles over a long K), each validated by cublasLtMatmulAlgoCheck and fitting the
         workspace. fp32 partials (COMPUTE_TYPE) are preferred over in-place reduction in y's type."""
-        a_lay, b_lay, c_lay = layouts
         out = []
         for base in bases[:SPLITK_BASES]:
             if self._cfg(base, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) not in (None, 0, 1):
@@ -474,18 +480,9 @@ class LtGemm:
             for split in SPLITK:
                 if k // split < SPLITK_MIN_K:
                     break
-                for scheme in schemes:
-                    algo = MatmulAlgo.from_buffer_copy(base)
-                    sv, rv = ctypes.c_int32(split), ctypes.c_uint32(scheme)
-                    if (self.lib.cublasLtMatmulAlgoConfigSetAttribute(
-                            ctypes.byref(algo), CUBLASLT_ALGO_CONFIG_SPLITK_NUM, ctypes.byref(sv), 4) != 0
-                            or self.lib.cublasLtMatmulAlgoConfigSetAttribute(
-                                ctypes.byref(algo), CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, ctypes.byref(rv), 4) != 0):
-                        break
-                    res = HeuristicResult()
-                    st = self.lib.cublasLtMatmulAlgoCheck(self.handle, self.desc, a_lay, b_lay, c_lay, c_lay,
-                                                          ctypes.byref(algo), ctypes.byref(res))
-                    if st == 0 and res.workspaceSize <= self.workspace_bytes:
+                for scheme in schemes:            # the first scheme cuBLASLt accepts
+                    algo = self._split_copy(base, split, scheme, layouts)
+                    if algo is not None:
                         out.append(algo)
                         break
         return out
@@ -663,23 +660,11 @@ class LtGemm:
         t0 = time.perf_counter()
         t, n_out, k, x_ld, w_ld, code = key[:6]
         layouts = self._ksplit_layout_handles(t, n_out, k, x_ld, w_ld, code, KSPLIT_S)
-        a_lay, b_lay, d_lay = layouts
-        found = []
-        pref = ctypes.c_void_p()
-        self._check(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
-        try:
-            ws = ctypes.c_uint64(self.workspace_bytes)
-            self._check(self.lib.cublasLtMatmulPreferenceSetAttribute(
-                pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, ctypes.byref(ws), ctypes.sizeof(ws)),
-                "cublasLtMatmulPreferenceSetAttribute(MAX_WORKSPACE_BYTES)")
-            results = (HeuristicResult * MAX_HEURISTICS)()
-            n = ctypes.c_int(0)
-            if self.lib.cublasLtMatmulAlgoGetHeuristic(self.handle, self.desc, a_lay, b_lay, d_lay, d_lay, pref,
-                                                       MAX_HEURISTICS, results, ctypes.byref(n)) == 0:
-                found = [MatmulAlgo.from_buffer_copy(results[j].algo) for j in range(n.value)
-                         if results[j].state == 0 and results[j].workspaceSize <= self.workspace_bytes]
-        finally:
-            self.lib.cublasLtMatmulPreferenceDestroy(pref)
+        # x and w at their actual alignment, slice starts included; the partials are a fresh
+        # allocation (256)
+        step = _align((k // KSPLIT_S) * _ITEMSIZE[code])
+        found = [MatmulAlgo.from_buffer_copy(r.algo) for r in self._heuristics(
+            key, layouts, MAX_HEURISTICS, aligns=(min(key[6], step), min(key[7], step), 256))]
         seen = {bytes(a) for a in found}
         algos = found + [a for a in self._unsplit_variants(found, layouts) if bytes(a) not in seen]
         if not algos:
