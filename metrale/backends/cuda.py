@@ -29,6 +29,7 @@ import numpy as np
 from metrale import levers
 from metrale.backends import cublas as _cublas
 from metrale.backends.base import compose_qk_norm_rope_write_kv
+from metrale.backends.cublaslt import KSPLIT_S
 from metrale.backends.launch import foreign_launch
 from metrale.forward import ForwardBatch, prefill_work_list
 
@@ -518,8 +519,6 @@ class CudaOps:
             y = self.linear(x, w)
             ksplit(self.stream_ptr, x2.data.ptr, max(xs, k), w.data.ptr, _estride(w, 0), t, n_out, k, code)
             return y      # the first call decides (after linear tuned the plain plan); this one is plain
-        from metrale.backends.cublaslt import KSPLIT_S
-
         parts = self._new((KSPLIT_S, t, n_out), F32)
         blas.run_ksplit(plan, self.stream_ptr, x2.data.ptr, w.data.ptr, parts.data.ptr)
         return SplitK(parts, (*x.shape[:-1], n_out), x.dtype)
