@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import struct
 
@@ -128,20 +129,32 @@ class _Driver:
         return s.value.decode() if self.error_name(status, ctypes.byref(s)) == 0 and s.value else str(status)
 
 
+class _NoDeviceArray:
+    """Stands for cupy.ndarray where CuPy is not installed: no argument is ever one."""
+
+
+@functools.cache
+def _device_array_type() -> type:
+    """cupy.ndarray, imported on first use (the launch path's packing is testable without CuPy)."""
+    try:
+        import cupy
+    except ImportError:
+        return _NoDeviceArray
+    return cupy.ndarray
+
+
 class FastKernel:
     """A RawKernel launched through cuLaunchKernel; the CuPy launch where that does not apply.
     Same call as the RawKernel: k(grid, block, args, shared_mem=0, stream=None)."""
 
     def __init__(self, raw, driver: _Driver, pdl: bool = False):
-        import cupy
-
         self.raw = raw
         self._driver = driver
         self.pdl = pdl                  # the kernel keeps the PDL rule (common.cuh)
         self._func = None
         self._layouts: dict = {}
-        self._ndarray = cupy.ndarray
-        self._current_stream = cupy.cuda.get_current_stream
+        self._ndarray = _device_array_type()
+        self._current_stream = None     # cupy.cuda.get_current_stream, bound on first use
 
     def __getattr__(self, name):          # name, attributes, num_regs, ...: the RawKernel's
         return getattr(self.raw, name)
@@ -185,6 +198,10 @@ class FastKernel:
                 args[i] = 0 if a is None else a.data.ptr
         struct.pack_into(lay.fmt, lay.buf, 0, *args)
         if stream is None:
+            if self._current_stream is None:
+                import cupy
+
+                self._current_stream = cupy.cuda.get_current_stream
             stream = self._current_stream()
         g = tuple(grid) + (1, 1)
         b = tuple(block) + (1, 1)
