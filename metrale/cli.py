@@ -61,6 +61,25 @@ ENGINE_FLAGS = {
     "--request-timeout": ("request_timeout", float, "per-request seconds; 0 disables"),
     "--swap-space-gb": ("swap_space_gb", float, "disk-backed KV swap"),
 }
+# vLLM flags whose meaning Metrale spells another way: the unknown-flag message names ours.
+# (Spellings whose meaning is identical are accepted as aliases: --max-model-len, --api-key,
+# --served-model-name, --tensor-parallel-size 1, --seed, --chat-template.)
+VLLM_HINTS = {
+    "--max-num-batched-tokens": "Metrale's per-step token budget is --max-prefill-tokens",
+    "--enable-chunked-prefill": "prefill is always chunked (budget: --max-prefill-tokens)",
+    "--kv-cache-dtype": "the KV cache is bf16 on CUDA and fp32 on the CPU in this build",
+    "--quantization": "bf16 checkpoints only in this build; the format is read from the "
+                      "checkpoint, never from a flag",
+    "--trust-remote-code": "no remote code is ever run: the architectures Metrale implements "
+                           "load without it",
+    "--pipeline-parallel-size": "one engine per GPU; pipeline parallelism is not supported",
+    "--dtype": "the dtype follows the device (bf16 on CUDA, fp32 on the CPU)",
+    "--tokenizer": "the tokenizer is the checkpoint's own (tokenizer.json or the GGUF's)",
+    "--download-dir": "Metrale never downloads: --cache-dir names the HF cache to read",
+}
+# vLLM spellings with the same meaning as ours
+ENGINE_FLAG_ALIASES = {"--max-seq-len": ("--max-model-len",)}
+_ALIAS_SPELLINGS = {alias for aliases in ENGINE_FLAG_ALIASES.values() for alias in aliases}
 ENGINE_BOOL_FLAGS = {
     "--enable-prefix-caching": ("enable_prefix_caching", "reuse KV of shared prompt prefixes"),
     "--profile": ("profile", "per-kernel sync and timing (slower)"),
@@ -69,6 +88,49 @@ ENGINE_BOOL_FLAGS = {
 
 class CLIError(Exception):
     """A command line that cannot run: the message says what to change (exit status 2)."""
+
+
+class _DefaultsHelp(argparse.HelpFormatter):
+    """Every option's help ends with its default: "(default: X)", "(default: off)" for a
+    presence-only boolean, "(default: none)" where nothing is set."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if not action.option_strings or action.default is argparse.SUPPRESS \
+                or "(default" in text or action.dest == "help":
+            return text
+        if isinstance(action, argparse._StoreTrueAction):
+            return f"{text} (default: off)"
+        default = action.default
+        if default is None or default == []:
+            return f"{text} (default: none)"
+        return f"{text} (default: {default})"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with an unknown flag reported by the (sub)command that got it: its usage, the
+    closest flags it has, and for a vLLM flag Metrale spells differently, our name."""
+
+    def unknown_flags(self, extras: list[str]) -> "CLIError":
+        import difflib
+
+        flags = [o for a in self._actions for o in a.option_strings]
+        lines = []
+        for extra in extras:
+            name = extra.split("=", 1)[0]
+            if not name.startswith("-"):
+                lines.append(f"unexpected argument {extra!r}")
+                continue
+            hint = VLLM_HINTS.get(name)
+            close = difflib.get_close_matches(name, flags, n=3, cutoff=0.6)
+            if hint:
+                lines.append(f"unknown flag {name}: {hint}")
+            elif close:
+                lines.append(f"unknown flag {name}; did you mean {' or '.join(close)}?")
+            else:
+                lines.append(f"unknown flag {name}")
+        return CLIError("\n".join(lines) + "\n" + self.format_usage().rstrip()
+                        + f"  (`{self.prog} --help` lists every flag with its default)")
 
 
 # ---- parsers --------------------------------------------------------------------------------
@@ -85,8 +147,8 @@ def _add_frontend_flags(p: argparse.ArgumentParser, with_port: bool = True) -> N
     a.add_argument("--require-auth", action="store_true",
                    help="require 'Authorization: Bearer <key>' (or x-api-key) on every route "
                         "but /health")
-    a.add_argument("--auth-token", action="append", default=[], metavar="KEY",
-                   help="an accepted API key (repeatable)")
+    a.add_argument("--auth-token", "--api-key", action="append", default=[], metavar="KEY",
+                   help="an accepted API key (repeatable); giving one turns auth on")
     a.add_argument("--auth-tokens-file", metavar="PATH",
                    help="a file of accepted API keys, one per line (# comments)")
     a.add_argument("--metrics-public", action="store_true",
@@ -95,7 +157,8 @@ def _add_frontend_flags(p: argparse.ArgumentParser, with_port: bool = True) -> N
 
 def _serve_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve a model over HTTP (engine + frontends)",
-                       description="Serve a model: one engine process and N frontend workers.")
+                       description="Serve a model: one engine process and N frontend workers.",
+                       usage="met serve [MODEL] [flags]", formatter_class=_DefaultsHelp)
     m = p.add_argument_group("model")
     m.add_argument("model", nargs="?", metavar="MODEL",
                    help="HF id in the HF cache, or a path (folder or .gguf); default: the "
@@ -110,11 +173,17 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
                         "device (benchmarks and profiling of real shapes without weight files)")
     m.add_argument("--disable-template-overrides", action="store_true",
                    help="use the checkpoint's chat template even when jinja-templates/ has one")
+    m.add_argument("--chat-template", metavar="PATH_OR_TEXT", default=None,
+                   help="a Jinja chat template (a file's path, or the template text itself) used "
+                        "instead of the checkpoint's and jinja-templates/'s")
     _add_frontend_flags(p)
     defaults = EngineConfig()
     e = p.add_argument_group("engine")
     for flag, (name, kind, text) in ENGINE_FLAGS.items():
-        e.add_argument(flag, dest=name, type=kind, default=getattr(defaults, name), help=text)
+        e.add_argument(flag, *ENGINE_FLAG_ALIASES.get(flag, ()), dest=name, type=kind,
+                       default=getattr(defaults, name), help=text)
+    e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="1",
+                   help="accepted for vLLM command lines: one engine runs on one GPU, so only 1")
     for flag, (name, text) in ENGINE_BOOL_FLAGS.items():
         e.add_argument(flag, dest=name, action="store_true", help=text)
     e.add_argument("--engine-bind", metavar="tcp://HOST:PORT",
@@ -137,16 +206,18 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="met", description=__doc__.split("\n\n")[0],
+    parser = _Parser(prog="met", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"met (metrale) {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _serve_parser(sub)
-    f = sub.add_parser("frontend", help="frontend workers only, against a running engine")
+    f = sub.add_parser("frontend", help="frontend workers only, against a running engine",
+                       formatter_class=_DefaultsHelp)
     f.add_argument("--engine", required=True, metavar="tcp://HOST:PORT",
                    help="the engine's --engine-bind address")
     _add_frontend_flags(f)
-    ev = sub.add_parser("events", help="print the event journal, then tail live events")
+    ev = sub.add_parser("events", help="print the event journal, then tail live events",
+                        formatter_class=_DefaultsHelp)
     ev.add_argument("--from-seq", type=int, default=None, metavar="N",
                     help="replay the journal from sequence number N first (default: live only)")
     ev.add_argument("--engine", metavar="tcp://HOST:PORT",
@@ -216,8 +287,6 @@ def load_auth_tokens(args) -> list[str]:
     if args.require_auth and not tokens:
         raise CLIError("--require-auth needs at least one key: pass --auth-token KEY or "
                        "--auth-tokens-file PATH")
-    if tokens and not args.require_auth:
-        log.warning("API keys were given without --require-auth: they are not checked")
     return tokens
 
 
@@ -237,12 +306,36 @@ def frontend_spec(args, engine_addresses: dict) -> dict:
 
     if args.frontends < 1:
         raise CLIError(f"--frontends must be >= 1, got {args.frontends}")
+    tokens = load_auth_tokens(args)
     settings = FrontendSettings(
-        engine=engine_addresses, auth_tokens=load_auth_tokens(args),
-        require_auth=args.require_auth, metrics_public=args.metrics_public,
+        engine=engine_addresses, auth_tokens=tokens,
+        require_auth=args.require_auth or bool(tokens),     # a key given means auth on
+        metrics_public=args.metrics_public,
         max_body_bytes=levers.get("METRALE_MAX_BODY_BYTES"), body_timeout_s=body_timeout_s())
     return {"bind": f"{args.host}:{args.port}", "workers": args.frontends,
             "settings": settings.__dict__}
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a port something else listens on before anything loads (the frontends would only
+    find out after the model load, and fail in a gunicorn traceback)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise CLIError(f"--host {host}: cannot resolve it ({e.strerror})") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as gunicorn binds
+        try:
+            s.bind(addr)
+        except PermissionError:
+            raise CLIError(f"--port {port}: binding {host}:{port} is not permitted here "
+                           "(ports below 1024 need privileges); pass --port N") from None
+        except OSError:
+            raise CLIError(f"--port {port}: {host}:{port} is already in use (another server "
+                           "listens there); pass --port N") from None
 
 
 def cmd_serve(args) -> int:
@@ -250,6 +343,9 @@ def cmd_serve(args) -> int:
     from metrale.engine_main import EngineSpec
     from metrale import serve
 
+    if args.tensor_parallel_size != 1:
+        raise CLIError(f"--tensor-parallel-size {args.tensor_parallel_size}: one engine runs on "
+                       "one GPU (tensor parallelism is not supported); pass 1 or leave it out")
     if args.model and args.model_from_path:
         raise CLIError("pass MODEL or --model-from-path, not both")
     model = args.model_from_path or args.model or default_model_path()
@@ -279,8 +375,7 @@ def cmd_serve(args) -> int:
                   "max_thinking_budget": args.max_thinking_budget,
                   "tool_max_tokens": args.tool_max_tokens})
     fspec = frontend_spec(args, addresses.to_dict())
-    log.info("serving %s on http://%s:%d with %d frontend workers", model, args.host, args.port,
-             args.frontends)
+    check_port_free(args.host, args.port)
     return serve.serve(spec, fspec, ipc_dir)
 
 
@@ -296,7 +391,9 @@ def cmd_frontend(args) -> int:
     from frontends.server import run_frontends
 
     addresses = EngineAddresses.tcp(*_parse_tcp(args.engine, "--engine"))
-    run_frontends(frontend_spec(args, addresses.to_dict()))
+    fspec = frontend_spec(args, addresses.to_dict())
+    check_port_free(args.host, args.port)
+    run_frontends(fspec)
     return 0
 
 
@@ -383,14 +480,26 @@ def cmd_dump_serve_options(parser: argparse.ArgumentParser) -> int:
     for action in serve_parser._actions:
         if not action.option_strings or action.dest == "help":
             continue
-        flags[max(action.option_strings, key=len)] = {
+        ours = [o for o in action.option_strings if o not in _ALIAS_SPELLINGS]
+        flags[max(ours, key=len)] = {
             "default": action.default, "aliases": action.option_strings,
             "boolean": isinstance(action, argparse._StoreTrueAction), "help": action.help}
-    print(json.dumps({"flags": flags, "levers": levers.table()}, indent=2, default=str))
+    try:
+        print(json.dumps({"flags": flags, "levers": levers.table()}, indent=2, default=str))
+        sys.stdout.flush()
+    except BrokenPipeError:         # `met dump-serve-options | head`: the reader had enough
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
 # ---- entry ----------------------------------------------------------------------------------
+
+def _subparser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return action.choices[command]
+    return parser
+
 
 def _setup_logging() -> None:
     from metrale.engine_main import setup_logging
@@ -408,7 +517,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         check_presence_only(argv, parser)
-        args = parser.parse_args(argv)
+        args, extras = parser.parse_known_args(argv)
+        if extras:
+            raise _subparser(parser, args.command).unknown_flags(extras)
         _setup_logging()
         if args.command == "serve":
             return cmd_serve(args)

@@ -129,3 +129,78 @@ def test_auth_and_rate_limits(tmp_path):
         assert complete("k2").status_code == 200      # another key has its own bucket
     finally:
         assert srv.stop() == 0    # SIGTERM: engine and workers stop cleanly
+
+
+def test_serve_help_shows_every_default():
+    out = met("serve", "--help").stdout
+    for text in ("(default: 8888)", "(default: 127.0.0.1", "(default: 32768)",
+                 "(default: off)", "(default: 300.0)"):
+        assert text in " ".join(out.split()), text
+    # every option line carries its default
+    import argparse
+
+    from metrale.cli import build_parser
+
+    serve = next(a for a in build_parser()._actions
+                 if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    helps = [serve.formatter_class(prog="x")._get_help_string(a) for a in serve._actions
+             if a.option_strings and a.dest != "help"]
+    assert all("default" in h for h in helps), [h for h in helps if "default" not in h]
+
+
+def test_unknown_flag_prints_the_serve_usage_and_the_closest_flags():
+    out = met("serve", "--max-seq-lenn", "64")
+    assert out.returncode == 2
+    assert "did you mean --max-seq-len" in out.stderr
+    assert "usage: met serve" in out.stderr and "usage: met [-h]" not in out.stderr
+    out = met("serve", "--max-num-batched-tokens", "64")       # a vLLM flag we spell otherwise
+    assert out.returncode == 2 and "--max-prefill-tokens" in out.stderr
+    out = met("events", "--from-sq", "3")
+    assert out.returncode == 2 and "--from-seq" in out.stderr and "usage: met events" in out.stderr
+
+
+def test_vllm_spellings_with_the_same_meaning_are_accepted():
+    flags = json.loads(met("dump-serve-options").stdout)["flags"]
+    assert "--max-model-len" in flags["--max-seq-len"]["aliases"]
+    assert "--api-key" in flags["--auth-token"]["aliases"]
+    assert flags["--tensor-parallel-size"]["default"] == 1
+    assert "--chat-template" in flags
+    out = met("serve", "/nonexistent", "--tensor-parallel-size", "2")
+    assert out.returncode == 2 and "--tensor-parallel-size" in out.stderr
+
+
+def test_port_in_use_is_refused_before_the_model_loads(tmp_path):
+    import socket
+    import time as _time
+
+    model = make_tiny_chat_model(tmp_path / "tiny")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        t0 = _time.monotonic()
+        out = met("serve", str(model), "--no-event-log", "--port", str(port))
+        assert out.returncode == 2, out.stderr
+        assert "--port" in out.stderr and "in use" in out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr     # one line, no traceback
+        assert _time.monotonic() - t0 < 30
+
+
+def test_dump_serve_options_into_a_closed_pipe_prints_no_traceback():
+    out = subprocess.run(f"{sys.executable} -m metrale.cli dump-serve-options | head -1",
+                         shell=True, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "{"
+    assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr
+
+
+def test_an_auth_token_without_require_auth_turns_auth_on(tmp_path):
+    model = make_tiny_chat_model(tmp_path / "tiny")
+    srv = Server(["serve", str(model), "--frontends", "1", "--max-seq-len", "256",
+                  "--no-event-log", "--api-key", "k1"], tmp_path / "serve.log")
+    try:
+        srv.wait_healthy()
+        models = srv.url + "/v1/models"
+        assert requests.get(models).status_code == 401
+        assert requests.get(models, headers={"Authorization": "Bearer k1"}).status_code == 200
+    finally:
+        assert srv.stop() == 0
