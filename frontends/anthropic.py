@@ -10,13 +10,15 @@ blocks and, while streaming, into the exact Anthropic event sequence:
 
     message_start, ping,
     (content_block_start, content_block_delta (text_delta | thinking_delta | input_json_delta)*,
-     content_block_stop)*,
+     [content_block_delta signature_delta: thinking blocks], content_block_stop)*,
     message_delta {stop_reason, stop_sequence, usage.output_tokens}, message_stop
 
 stop_reason: tool_use (the message holds calls and ended by itself), stop_sequence (with the
-matched string), max_tokens, else end_turn. Errors use Anthropic's shape on these paths, also
-for auth failures and engine outages (see `on_api_error`); an error after the stream started is
-an `error` event.
+matched string), max_tokens, else end_turn. Thinking blocks end with their signature
+(anthropic_schema.thinking_signature); with `thinking.display: "omitted"` their text is left
+out (no thinking_delta) and only the signature is sent. Errors use Anthropic's shape on these
+paths, also for auth failures and engine outages (see `on_api_error`); an error after the
+stream started is an `error` event.
 """
 from __future__ import annotations
 
@@ -38,18 +40,22 @@ PATH_PREFIX = "/v1/messages"
 class Blocks:
     """Parsed chat events -> Anthropic content blocks and stream events."""
 
-    def __init__(self):
+    def __init__(self, display: str = "summarized"):
         self.content: list[dict] = []
         self._open: str | None = None        # kind of the open block
         self._args: list[str] = []
+        self._thought: list[str] = []        # text of the open thinking block
+        self._show_thinking = display != "omitted"
 
     def feed(self, events) -> list[dict]:
         out: list[dict] = []
         for e in events:
             if isinstance(e, ReasoningDelta) and e.text:
                 self._ensure(out, "thinking")
-                self.content[-1]["thinking"] += e.text
-                out.append(self._delta({"type": "thinking_delta", "thinking": e.text}))
+                self._thought.append(e.text)
+                if self._show_thinking:
+                    self.content[-1]["thinking"] += e.text
+                    out.append(self._delta({"type": "thinking_delta", "thinking": e.text}))
             elif isinstance(e, TextDelta) and e.text:
                 self._ensure(out, "text")
                 self.content[-1]["text"] += e.text
@@ -83,6 +89,7 @@ class Blocks:
                         {"type": "thinking", "thinking": "", "signature": ""})
 
     def _start(self, out: list, block: dict) -> None:
+        self._thought = []
         self.content.append(block)
         self._open = block["type"]
         out.append({"type": "content_block_start", "index": len(self.content) - 1,
@@ -96,6 +103,10 @@ class Blocks:
             return
         if self._open == "tool_use":
             self.content[-1]["input"] = json.loads("".join(self._args) or "{}")
+        elif self._open == "thinking":
+            signature = schema.thinking_signature("".join(self._thought))
+            self.content[-1]["signature"] = signature
+            out.append(self._delta({"type": "signature_delta", "signature": signature}))
         out.append({"type": "content_block_stop", "index": len(self.content) - 1})
         self._open = None
 
@@ -113,13 +124,14 @@ def stop_reason(done: ChoiceDone, num_calls: int) -> tuple[str, str | None]:
 class _Format:
     """What _Generate._run needs for the non-streamed answer."""
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, display: str):
         self.id = schema.message_id()
         self.model = model
+        self.display = display
 
     def response(self, result: dict, use: dict) -> dict:
         _, _, done, events = result[0]
-        blocks = Blocks()
+        blocks = Blocks(self.display)
         blocks.feed(events)
         blocks.close()
         reason, seq = stop_reason(done, blocks.num_calls)
@@ -135,14 +147,15 @@ class Messages(_Generate):
     async def on_post(self, req, resp):
         info = self.worker.ready()
         body = await read_json(req, self.worker.settings)
-        mreq = schema.parse_messages_request(body)
+        mreq = schema.parse_messages_request(body, served=info["name"])
         p = _prepare(self.worker, mreq)
         specs = _specs(self.worker, mreq, [p.ids], "messages", p.max_tokens_cap, p.plan,
                        p.sampling)
-        await self._run(req, resp, mreq, specs, [p.ids], _Format(info["name"]))
+        await self._run(req, resp, mreq, specs, [p.ids],
+                        _Format(info["name"], mreq.thinking_display))
 
     async def _stream(self, greq, specs, prompts, fmt, first, events):
-        blocks = Blocks()
+        blocks = Blocks(fmt.display)
         num_prompt = len(specs[0].prompt_ids)
         start = schema.message(fmt.id, fmt.model, [], None, None, schema.usage(num_prompt, 0))
         try:
@@ -174,9 +187,9 @@ class Messages(_Generate):
 
 class CountTokens(_Generate):
     async def on_post(self, req, resp):
-        self.worker.ready()
+        info = self.worker.ready()
         body = await read_json(req, self.worker.settings)
-        mreq = schema.parse_messages_request(body, count_only=True)
+        mreq = schema.parse_messages_request(body, count_only=True, served=info["name"])
         _json(resp, {"input_tokens": len(_prepare(self.worker, mreq).ids)})
 
 

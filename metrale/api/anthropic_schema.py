@@ -3,25 +3,43 @@ and error shapes.
 
     POST /v1/messages {"model", "max_tokens", "messages", "system"?, "tools"?, "tool_choice"?,
                        "stop_sequences"?, "temperature"?, "top_p"?, "top_k"?, "thinking"?,
-                       "metadata"?, "stream"?}
+                       "metadata"?, "stream"?, "output_config"?, "context_management"?, ...}
+
+Fields are those of the current Messages API (beta fields included, as Claude Code sends them
+to /v1/messages?beta=true). As Anthropic does, a field the API does not know is a 400
+"NAME: Extra inputs are not permitted" (top level, and on each message); known fields that do
+not change what this server generates are accepted and ignored: `context_management` (nothing
+is cleared: thinking is kept), `output_config.effort`, `service_tier`, `speed`,
+`inference_geo`, `cache_control`, `container`, `diagnostics`, .... Known fields it cannot honour
+(`output_config.format`, `mcp_servers`) are a 400 saying so.
 
 Conversion to the OpenAI-style messages our chat templates read:
-  * `system` (a string or text blocks) -> a leading {"role": "system"} message;
+  * `system` (a string or text blocks) -> a leading {"role": "system"} message; a `system`
+    message inside `messages` (the current API's mid-conversation system turn) right at the start
+    joins the leading one, after a user turn (or tool results) it is appended to that turn's text
+    (templates render system text only at the top), after an assistant turn it is a 400;
   * user text blocks -> one user message; `tool_result` blocks -> {"role": "tool",
     "tool_call_id": tool_use_id, "content": text}, in order (a tool_result must answer a
     tool_use of an earlier assistant turn, else 400);
   * assistant text -> content, `thinking` -> `reasoning_content` (templates that know it render
-    it), `redacted_thinking` is dropped, `tool_use` -> `tool_calls` (id kept, input validated);
-  * image / document / server-tool blocks -> 400 naming the block (text-only models).
-Tools: custom tools `{"name", "description"?, "input_schema"}` -> OpenAI function tools;
-`tool_choice` auto / any / tool / none, `disable_parallel_tool_use`. `thinking` enabled sets the
-template's `enable_thinking` and the thinking budget (`budget_tokens`, < max_tokens); disabled
-sets `enable_thinking=false`; absent leaves the template's default.
+    it; a block whose text was omitted is read back from its signature), `redacted_thinking` is
+    dropped, `tool_use` -> `tool_calls` (id kept, input validated);
+  * a text block needs a string `text`; image / document / server-tool blocks -> 400 naming the
+    block (text-only models).
+Tools: custom tools `{"name", "description"?, "input_schema", "defer_loading"?, ...}` -> OpenAI
+function tools, their input_schema checked as a JSON Schema (tool_parsers.validation); tools
+with `defer_loading: true` are not rendered into the prompt (as the API does not show them to
+the model). `tool_choice` auto / any / tool / none, `disable_parallel_tool_use`.
+`thinking`: enabled (budget_tokens < max_tokens) / adaptive / between_tools set the template's
+`enable_thinking` (enabled also the thinking budget), disabled sets `enable_thinking=false`,
+absent leaves the template's default; `display: "omitted"` sends thinking blocks with empty
+text and their signature only.
 
-The served model answers whatever `model` names (Claude Code sends its own ids, e.g. for its
-background calls); responses carry the served name. Thinking blocks carry an empty
-`signature` (no signature_delta is sent): there is nothing to sign, and replayed thinking is
-read back as plain reasoning text.
+`model` must name the served model (404 not_found_error otherwise, as on the OpenAI routes):
+point Claude Code's background model at it too (ANTHROPIC_DEFAULT_HAIKU_MODEL).
+Thinking blocks carry a `signature` (a signature_delta before the block stops when streamed):
+the thinking text, compressed, with a checksum (`thinking_signature`), so a client that got the
+thinking omitted can send the block back and the text is restored.
 
 Errors: {"type": "error", "error": {"type": "invalid_request_error", "message": "..."}}; an
 engine that is loading, restarting or gone answers 529 overloaded_error (the SDK's
@@ -29,17 +47,20 @@ OverloadedError, retried), a full queue or rate limit 429 rate_limit_error.
 """
 from __future__ import annotations
 
+import base64
+import hashlib
 import re
 import secrets
 import string
 import uuid
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 from metrale.api.errors import APIError, invalid
-from metrale.api.openai_schema import GenerationParams, MAX_STOP_STRINGS, _type_name
+from metrale.api.openai_schema import GenerationParams, MAX_STOP_STRINGS, _type_name, check_model
 from metrale.api.tool_parsers import (ToolChoice, validate_replayed_tool_call,
                                       validate_tool_choice, validate_tools)
 
@@ -47,6 +68,21 @@ OVERLOADED = 529
 _ALPHABET = string.ascii_letters + string.digits
 _CUSTOM_TOOL_TYPES = (None, "custom")
 _NUMBERS = ("temperature", "top_p")
+# the request fields of the current Messages API (beta included); any other is a 400
+REQUEST_FIELDS = frozenset((
+    "model", "max_tokens", "messages", "system", "metadata", "stop_sequences", "stream",
+    "temperature", "top_p", "top_k", "tools", "tool_choice", "thinking", "output_config",
+    "context_management", "service_tier", "speed", "inference_geo", "cache_control",
+    "container", "diagnostics", "mcp_servers", "billing_policy", "compaction",
+    "fallback_credit_token", "fallbacks", "thread"))
+_MESSAGE_FIELDS = {"user": {"role", "content"}, "assistant": {"role", "content"},
+                   "system": {"role", "content", "clear_at", "output_config"}}
+_THINKING_FIELDS = {"enabled": {"type", "budget_tokens", "display"},
+                    "adaptive": {"type", "display", "block_binding"},
+                    "between_tools": {"type"}, "disabled": {"type"}}
+_DISPLAYS = ("summarized", "omitted", "updates")
+_EFFORTS = ("low", "medium", "high", "xhigh", "max")
+_OUTPUT_CONFIG_FIELDS = {"effort", "format", "task_budget"}
 
 
 @dataclass
@@ -57,6 +93,7 @@ class MessagesRequest(GenerationParams):
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict = field(default_factory=dict)
     thinking_budget: int | None = None
+    thinking_display: str = "summarized"                  # or "omitted": text left out
 
 
 # ---- errors ----------------------------------------------------------------------------------
@@ -87,18 +124,54 @@ def tool_use_id(call_id: str) -> str:
         "toolu_" + "".join(secrets.choice(_ALPHABET) for _ in range(24))
 
 
+# ---- thinking signatures -----------------------------------------------------------------------
+
+_SIGNATURE_TAG = b"metrale-thinking-v1\0"
+
+
+def thinking_signature(text: str) -> str:
+    """The signature of a thinking block: its text (zlib) behind a 12-byte checksum, base64."""
+    payload = zlib.compress(text.encode())
+    digest = hashlib.sha256(_SIGNATURE_TAG + payload).digest()[:12]
+    return base64.b64encode(digest + payload).decode()
+
+
+def thinking_from_signature(signature) -> str | None:
+    """The text a `thinking_signature` holds; None for any other string (e.g. Anthropic's)."""
+    try:
+        raw = base64.b64decode(signature, validate=True)
+        digest, payload = raw[:12], raw[12:]
+        if hashlib.sha256(_SIGNATURE_TAG + payload).digest()[:12] != digest:
+            return None
+        return zlib.decompress(payload).decode()
+    except (TypeError, ValueError, zlib.error):
+        return None
+
+
 # ---- requests --------------------------------------------------------------------------------
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def parse_messages_request(body: Any, count_only: bool = False) -> MessagesRequest:
+def _extra_inputs(obj: dict, known, where: str = "") -> None:
+    """Anthropic's answer to a field it does not know."""
+    for name in obj:
+        if name not in known:
+            raise invalid(f"{where}{name}: Extra inputs are not permitted", where + name)
+
+
+def parse_messages_request(body: Any, count_only: bool = False,
+                           served: str | None = None) -> MessagesRequest:
+    """The request, checked; `served` (the served model's name) makes any other model a 404."""
     if not isinstance(body, dict):
         raise invalid(f"the request body must be a JSON object, got {_type_name(body)}")
+    _extra_inputs(body, REQUEST_FIELDS)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model: field required (a string)", "model")
+    if served is not None:
+        check_model(model, served)
     max_tokens = body.get("max_tokens")
     if not count_only:
         if max_tokens is None:
@@ -119,12 +192,40 @@ def parse_messages_request(body: Any, count_only: bool = False) -> MessagesReque
             raise invalid("metadata: must be an object", "metadata")
         user = metadata.get("user_id")
         req.user = user if isinstance(user, str) else None
+    _unhonoured(body)
     req.tools = _tools(body.get("tools"))
     req.tool_choice, req.parallel_tool_calls = _tool_choice(body.get("tool_choice"), req.tools)
     _thinking(body.get("thinking"), req, max_tokens if not count_only else None)
+    _output_config(body.get("output_config"), "output_config")
     messages = _system(body.get("system"))
-    req.messages = messages + convert_messages(body.get("messages"))
+    req.messages = convert_messages(body.get("messages"), messages)
     return req
+
+
+def _unhonoured(body: dict) -> None:
+    """Known fields this server cannot act on as asked: a 400 rather than silence."""
+    if body.get("mcp_servers"):
+        raise invalid("mcp_servers: MCP servers are not supported by this server; run the MCP "
+                      "client on your side and declare its tools in 'tools'", "mcp_servers")
+    for name in ("context_management", "metadata"):
+        if body.get(name) is not None and not isinstance(body[name], dict):
+            raise invalid(f"{name}: must be an object", name)
+
+
+def _output_config(config: Any, where: str) -> None:
+    """`effort` is accepted (generation here has no effort knob); `format` is refused."""
+    if config is None:
+        return
+    if not isinstance(config, dict):
+        raise invalid(f"{where}: must be an object", where)
+    _extra_inputs(config, _OUTPUT_CONFIG_FIELDS, where + ".")
+    effort = config.get("effort")
+    if effort is not None and effort not in _EFFORTS:
+        raise invalid(f"{where}.effort: must be one of {', '.join(_EFFORTS)}, got {effort!r:.40}",
+                      where)
+    if config.get("format") is not None:
+        raise invalid(f"{where}.format: structured outputs are not supported by this server",
+                      where)
 
 
 def _sampling(body: dict) -> dict:
@@ -180,7 +281,8 @@ def _tools(tools: Any) -> list[dict] | None:
         text = re.sub(r"tools\[(\d+)\]", r"tools.\1", str(e))
         raise invalid(text.replace(".function.parameters", ".input_schema")
                       .replace(".function.name", ".name"), "tools")
-    return out or None
+    shown = [fn for fn, t in zip(out, tools) if t.get("defer_loading") is not True]
+    return shown or None
 
 
 def _tool_choice(choice: Any, tools: list[dict] | None) -> tuple[ToolChoice, bool]:
@@ -209,18 +311,23 @@ def _thinking(thinking: Any, req: MessagesRequest, max_tokens: int | None) -> No
     if thinking is None:
         return
     kind = thinking.get("type") if isinstance(thinking, dict) else None
-    if kind == "disabled":
-        req.chat_template_kwargs["enable_thinking"] = False
-        return
-    if kind not in ("enabled", "adaptive"):
-        raise invalid("thinking: must be {\"type\": \"enabled\", \"budget_tokens\": N} or "
+    if kind not in _THINKING_FIELDS:
+        raise invalid("thinking: must be {\"type\": \"adaptive\"}, {\"type\": \"enabled\", "
+                      "\"budget_tokens\": N}, {\"type\": \"between_tools\"} or "
                       "{\"type\": \"disabled\"}", "thinking")
-    req.chat_template_kwargs["enable_thinking"] = True
+    _extra_inputs(thinking, _THINKING_FIELDS[kind], f"thinking.{kind}.")
+    req.chat_template_kwargs["enable_thinking"] = kind != "disabled"
+    display = thinking.get("display")
+    if display is not None:
+        if display not in _DISPLAYS:
+            raise invalid(f"thinking.display: must be one of {', '.join(_DISPLAYS)}, got "
+                          f"{display!r:.40}", "thinking")
+        req.thinking_display = "omitted" if display == "omitted" else "summarized"
+    if kind != "enabled":
+        return
     budget = thinking.get("budget_tokens")
     if budget is None:
-        if kind == "enabled":
-            raise invalid("thinking.budget_tokens: field required", "thinking")
-        return
+        raise invalid("thinking.budget_tokens: field required", "thinking")
     if not _is_int(budget) or budget < 1:
         raise invalid("thinking.budget_tokens: must be an integer >= 1", "thinking")
     if max_tokens is not None and budget >= max_tokens:
@@ -238,10 +345,18 @@ def _text_of(blocks: Any, where: str) -> str:
     texts = []
     for j, b in enumerate(blocks):
         kind = b.get("type") if isinstance(b, dict) else None
-        if kind != "text" or not isinstance(b.get("text"), str):
+        if kind != "text":
             raise _unsupported(kind, f"{where}.{j}")
-        texts.append(b["text"])
+        texts.append(_block_text(b, f"{where}.{j}"))
     return "\n".join(texts)
+
+
+def _block_text(block: dict, where: str) -> str:
+    """The `text` of a text block: required, a string."""
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise invalid(f"{where}.text: field required (a string), got {_type_name(text)}", where)
+    return text
 
 
 def _unsupported(kind: Any, where: str) -> APIError:
@@ -258,18 +373,23 @@ def _system(system: Any) -> list[dict]:
     return [{"role": "system", "content": text}] if text else []
 
 
-def convert_messages(messages: Any) -> list[dict]:
-    """Anthropic messages -> OpenAI-style chat messages (see the module docstring)."""
+def convert_messages(messages: Any, system: list[dict] | None = None) -> list[dict]:
+    """Anthropic messages -> OpenAI-style chat messages after `system` (the converted
+    top-level system prompt), see the module docstring."""
     if not isinstance(messages, list) or not messages:
         raise invalid("messages: field required (a non-empty array of messages)", "messages")
-    out: list[dict] = []
+    out: list[dict] = list(system or [])
     tool_ids: set[str] = set()
     answered: set[str] = set()
     for i, m in enumerate(messages):
         where = f"messages.{i}"
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise invalid(f"{where}.role: must be 'user' or 'assistant'", where)
+        if not isinstance(m, dict) or m.get("role") not in _MESSAGE_FIELDS:
+            raise invalid(f"{where}.role: must be 'user', 'assistant' or 'system'", where)
+        _extra_inputs(m, _MESSAGE_FIELDS[m["role"]], where + ".")
         content = m.get("content")
+        if m["role"] == "system":
+            _system_turn(out, m, where)
+            continue
         if isinstance(content, str):
             out.append({"role": m["role"], "content": content})
             continue
@@ -283,15 +403,43 @@ def convert_messages(messages: Any) -> list[dict]:
     return out
 
 
+def _system_turn(out: list[dict], m: dict, where: str) -> None:
+    """A system message inside `messages`: joins the leading system prompt, or the user turn
+    (or tool results) it follows; never right after an assistant turn."""
+    _output_config(m.get("output_config"), where + ".output_config")
+    if m.get("clear_at") not in (None, "next_user_message", "never"):
+        raise invalid(f"{where}.clear_at: must be 'next_user_message' or 'never'", where)
+    if m.get("content") is None:
+        raise invalid(f"{where}.content: field required", where)
+    text = _text_of(m["content"], f"{where}.content")
+    if not text:
+        return
+    last = out[-1] if out else None
+    if last is None or all(x["role"] == "system" for x in out):
+        if last is None:
+            out.append({"role": "system", "content": text})
+        else:
+            last["content"] += "\n\n" + text
+    elif last["role"] == "user":
+        last["content"] += "\n\n" + text
+    elif last["role"] == "tool":
+        out.append({"role": "user", "content": text})
+    else:
+        raise invalid(f"{where}: a system message must follow a user turn, not an assistant "
+                      "turn", where)
+
+
 def _assistant(blocks: list, where: str, tool_ids: set[str]) -> dict:
     texts, thoughts, calls = [], [], []
     for j, b in enumerate(blocks):
         at = f"{where}.content.{j}"
         kind = b.get("type") if isinstance(b, dict) else None
-        if kind == "text" and isinstance(b.get("text"), str):
-            texts.append(b["text"])
+        if kind == "text":
+            texts.append(_block_text(b, at))
         elif kind == "thinking" and isinstance(b.get("thinking"), str):
-            thoughts.append(b["thinking"])
+            thought = b["thinking"] or thinking_from_signature(b.get("signature"))
+            if thought:
+                thoughts.append(thought)
         elif kind == "redacted_thinking":
             continue
         elif kind == "tool_use":
@@ -320,8 +468,8 @@ def _user(blocks: list, where: str, tool_ids: set[str], answered: set[str]) -> l
     for j, b in enumerate(blocks):
         at = f"{where}.content.{j}"
         kind = b.get("type") if isinstance(b, dict) else None
-        if kind == "text" and isinstance(b.get("text"), str):
-            texts.append(b["text"])
+        if kind == "text":
+            texts.append(_block_text(b, at))
         elif kind == "tool_result":
             tid = b.get("tool_use_id")
             if tid not in tool_ids:
