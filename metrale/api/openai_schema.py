@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metrale.api.errors import APIError, invalid, model_not_found
+from metrale.chat import TEXT_PART_TYPES
 from metrale.api.tool_parsers import (ToolChoice, validate_replayed_tool_call,
                                       validate_tool_choice, validate_tools)
 
@@ -26,7 +27,8 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # request field -> SamplingParams field; validated for type here, for range by SamplingParams
 _NUMBER_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                   "repetition_penalty", "top_n_sigma")
-_INT_FIELDS = ("top_k", "seed", "min_tokens")
+_INT_FIELDS = ("top_k", "min_tokens")
+MAX_SEED = 2**64 - 1
 
 
 @dataclass
@@ -120,6 +122,8 @@ def _common(body: Any) -> dict:
     for name in _INT_FIELDS:
         if (v := _opt(body, name, _is_int, "an integer")) is not None:
             sampling[name] = v
+    if (seed := _seed(body)) is not None:
+        sampling["seed"] = seed
     sampling["ignore_eos"] = _bool(body, "ignore_eos")
     stop_ids = _opt(body, "stop_token_ids", lambda v: isinstance(v, list)
                     and all(_is_int(i) and i >= 0 for i in v), "an array of token ids")
@@ -128,6 +132,14 @@ def _common(body: Any) -> dict:
     return dict(model=model, n=n, stream=stream, include_usage=include_usage,
                 max_tokens=max_tokens, stop=_stop(body), sampling=sampling,
                 user=_opt(body, "user", lambda v: isinstance(v, str), "a string"))
+
+
+def _seed(body: dict) -> int | None:
+    """An integer in 0..2**64-1 (JSON integers past 2**64 arrive as floats: out of range too)."""
+    value = body.get("seed")
+    if isinstance(value, float) and value.is_integer() and abs(value) > MAX_SEED:
+        raise invalid(f"'seed' must be between 0 and {MAX_SEED}, got {value:.0f}", "seed")
+    return _int_range(body, "seed", 0, MAX_SEED)
 
 
 def _stop(body: dict) -> list[str]:
@@ -202,6 +214,8 @@ def _check_message(m: Any, i: int) -> None:
     if content is not None and not isinstance(content, (str, list)):
         raise invalid(f"{where}.content must be a string or an array of content parts, got "
                       f"{_type_name(content)}", f"{where}.content")
+    if isinstance(content, list):
+        _check_parts(content, where)
     calls = m.get("tool_calls")
     if role == "assistant" and calls is not None:
         if not isinstance(calls, list):
@@ -216,6 +230,21 @@ def _check_message(m: Any, i: int) -> None:
                 validate_replayed_tool_call(fn.get("arguments", "{}"))
             except ValueError as e:
                 raise invalid(f"{where}.tool_calls[{j}]: {e}", f"{where}.tool_calls")
+
+
+def _check_parts(parts: list, where: str) -> None:
+    """Each content part an object with a `type` (or a bare string, as metrale.chat reads);
+    text parts with a string `text`."""
+    for j, part in enumerate(parts):
+        at = f"{where}.content[{j}]"
+        if isinstance(part, str):
+            continue
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise invalid(f"{at} must be a content part object with a 'type', e.g. "
+                          '{"type": "text", "text": "..."}', f"{where}.content")
+        if part["type"] in TEXT_PART_TYPES and not isinstance(part.get("text"), str):
+            raise invalid(f"{at}.text is required and must be a string, got "
+                          f"{_type_name(part.get('text'))}", f"{where}.content")
 
 
 # ---- completions ---------------------------------------------------------------------------

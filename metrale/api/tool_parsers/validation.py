@@ -9,7 +9,13 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Optional
+
+import jsonschema
+import referencing
+import referencing.exceptions
+import referencing.jsonschema
 
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
@@ -27,7 +33,8 @@ def validate_tools(tools: Any) -> None:
     """OpenAI tools: `[{"type": "function", "function": {"name", "description"?, "parameters"?}}]`.
 
     Names match ^[a-zA-Z0-9_-]{1,64}$ and are unique; `parameters`, when given, is a JSON
-    schema object (a dict whose `type`, if present, is "object").
+    schema object (a dict whose `type`, if present, is "object") that is valid against its
+    metaschema (`$schema`, else draft 2020-12) and whose `$ref`s all resolve inside it.
     """
     if not isinstance(tools, list):
         raise ValueError("`tools` must be a list of {\"type\": \"function\", \"function\": {...}}")
@@ -59,7 +66,51 @@ def _validate_tool(tool: Any, where: str) -> str:
             f"{where}.function.parameters: must be a JSON schema object, "
             'e.g. {"type": "object", "properties": {...}}'
         )
+    if params is not None:
+        problem = schema_problem(json.dumps(params, sort_keys=True))
+        if problem:
+            raise ValueError(f"{where}.function.parameters: tool {name!r} has an invalid JSON "
+                             f"schema: {problem}")
     return name
+
+
+@lru_cache(maxsize=512)
+def schema_problem(schema_json: str) -> Optional[str]:
+    """What is wrong with a JSON schema (given as JSON text, so results can be cached: clients
+    such as Claude Code send the same tools on every request), or None."""
+    schema = json.loads(schema_json)
+    validator = jsonschema.validators.validator_for(schema,
+                                                    default=jsonschema.Draft202012Validator)
+    try:
+        validator.check_schema(schema)
+    except jsonschema.SchemaError as e:
+        at = "/".join(str(p) for p in e.path)
+        return f"{e.message}" + (f" (at {at})" if at else "")
+    return _unresolved_ref(schema)
+
+
+def _unresolved_ref(schema: dict) -> Optional[str]:
+    """The first `$ref` that does not resolve inside the schema itself (none are fetched)."""
+    resource = referencing.jsonschema.DRAFT202012.create_resource(schema)
+    resolver = referencing.Registry().with_resource("urn:tool", resource).resolver("urn:tool")
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str):
+                if not ref.startswith("#"):
+                    return (f"$ref {ref!r} points outside the schema; only local refs "
+                            "(#/...) are read")
+                try:
+                    resolver.lookup(ref)
+                except referencing.exceptions.Unresolvable:
+                    return f"$ref {ref!r} does not resolve inside the schema"
+            stack.extend(v for k, v in node.items() if k not in ("enum", "const", "default",
+                                                                   "examples"))
+    return None
 
 
 def validate_tool_choice(tool_choice: Any, tools: Optional[list]) -> ToolChoice:
