@@ -11,6 +11,7 @@ import anthropic
 import pytest
 import requests
 
+from metrale.api import anthropic_schema
 from metrale.testing_models import make_scripted_model
 from tests.serving import Server, free_port
 from tests.test_tool_calling import SCRIPTS
@@ -88,9 +89,7 @@ def _check_order(types):
 
 
 def test_text_message_and_usage(client):
-    # any model name is served (Claude Code sends its own ids); the answer names ours
-    msg = _both(client, messages=_user("say hi"), system="You are terse.",
-                model="claude-haiku-4-5")
+    msg = _both(client, messages=_user("say hi"), system="You are terse.")
     assert _blocks(msg) == [("text", "Hello there!")]
     assert msg.stop_reason == "end_turn" and msg.model == MODEL and msg.role == "assistant"
     assert msg.usage.input_tokens > 0 and msg.usage.output_tokens > 0
@@ -130,7 +129,10 @@ def test_thinking_blocks_and_budget(client):
     msg = _both(client, messages=_user("think then call"), tools=TOOLS)
     assert _blocks(msg) == [("thinking", "I should call the tool."),
                             ("tool_use", "get_weather", {"city": "Oslo"})]
-    assert msg.content[0].signature == ""
+    # the signature holds the thinking: sent back with the text omitted, it is restored
+    signature = msg.content[0].signature
+    assert signature and anthropic_schema.thinking_from_signature(signature) == \
+        "I should call the tool."
     msg = _both(client, messages=_user("ponder first"), tools=TOOLS)
     assert msg.stop_reason == "end_turn" and _blocks(msg)[-1] == ("text", "It is sunny.")
     # enabled thinking: the template opens <think> in the prompt; the budget closes it
@@ -229,3 +231,107 @@ def test_engine_unavailable_is_overloaded(tmp_path):
         assert requests.post(srv.url + "/v1/chat/completions", json={}).status_code == 503
     finally:
         srv.stop()
+
+
+def test_unknown_model_is_not_found(client, server):
+    for call in (lambda: client.messages.create(model="claude-haiku-4-5", max_tokens=5,
+                                                messages=_user("say hi")),
+                 lambda: client.messages.count_tokens(model="claude-haiku-4-5",
+                                                      messages=_user("say hi"))):
+        with pytest.raises(anthropic.NotFoundError) as e:
+            call()
+        assert e.value.body["type"] == "error"
+        assert e.value.body["error"]["type"] == "not_found_error"
+        assert "claude-haiku-4-5" in e.value.body["error"]["message"]
+
+
+def _post(server, body, path="/v1/messages?beta=true"):
+    return requests.post(server.url + path, json=body, timeout=120, headers={
+        "x-api-key": KEY, "anthropic-version": "2023-06-01"})
+
+
+CLAUDE_CODE_FIELDS = {
+    "thinking": {"type": "adaptive", "display": "omitted"},
+    "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+    "output_config": {"effort": "high"},
+    "metadata": {"user_id": '{"device_id": "d1", "session_id": "s1"}'},
+}
+
+
+def test_current_api_fields_as_claude_code_sends_them(server):
+    """What Claude Code 2.1.x posts: system turns inside messages, adaptive thinking with the
+    text omitted, context_management, output_config, deferred tools with $schema."""
+    tools = [dict(WEATHER, input_schema={
+        "$schema": "https://json-schema.org/draft/2020-12/schema", **WEATHER["input_schema"]},
+        cache_control={"type": "ephemeral"}),
+        {"name": "Deferred", "input_schema": {"type": "object", "properties": {}},
+         "defer_loading": True}]
+    body = {"model": MODEL, "max_tokens": 300, "tools": tools, **CLAUDE_CODE_FIELDS,
+            "system": [{"type": "text", "text": "You are an agent."}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "think then call"}]},
+                         {"role": "system", "content": [
+                             {"type": "text", "text": "# Environment", "cache_control":
+                              {"type": "ephemeral"}}]}]}
+    r = _post(server, body)
+    assert r.status_code == 200, r.text
+    thinking, call = r.json()["content"]
+    assert thinking["type"] == "thinking" and thinking["thinking"] == ""   # display: omitted
+    assert anthropic_schema.thinking_from_signature(thinking["signature"]) == \
+        "I should call the tool."
+    assert (call["type"], call["name"], call["input"]) == ("tool_use", "get_weather",
+                                                           {"city": "Oslo"})
+    streamed = _post(server, body | {"stream": True}).text
+    assert '"signature_delta"' in streamed and '"thinking_delta"' not in streamed
+    # the omitted thinking comes back from its signature when the turn is replayed
+    replay = body | {"messages": body["messages"] + [
+        {"role": "assistant", "content": [thinking, call]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call["id"],
+                                      "content": "21C"}]}]}
+    count = _post(server, replay, "/v1/messages/count_tokens").json()["input_tokens"]
+    forged = dict(thinking, signature="not-ours")
+    replay["messages"][2] = {"role": "assistant", "content": [forged, call]}
+    without = _post(server, replay, "/v1/messages/count_tokens").json()["input_tokens"]
+    assert count - without >= len("I should call the tool.")
+
+
+def test_system_turn_inside_messages_reaches_the_prompt(server):
+    base = {"model": MODEL, "messages": _user("say hi")}
+    plain = _post(server, base, "/v1/messages/count_tokens").json()["input_tokens"]
+    turn = {"role": "system", "content": "Mind the gap."}
+    with_turn = _post(server, base | {"messages": _user("say hi") + [turn]},
+                      "/v1/messages/count_tokens").json()["input_tokens"]
+    assert with_turn - plain >= len("Mind the gap.")
+    r = _post(server, base | {"max_tokens": 5, "messages": [
+        {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, turn]})
+    assert r.status_code == 400 and "must follow a user turn" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"frobnicate": 1}, "frobnicate: Extra inputs are not permitted"),
+    ({"seed": 1}, "seed: Extra inputs are not permitted"),
+    ({"messages": [{"role": "user", "content": "hi", "name": "x"}]},
+     "messages.0.name: Extra inputs are not permitted"),
+    ({"thinking": {"type": "adaptive", "budget_tokens": 5}},
+     "thinking.adaptive.budget_tokens: Extra inputs are not permitted"),
+    ({"thinking": {"type": "adaptive", "display": "loud"}}, "thinking.display"),
+    ({"output_config": {"effort": "extreme"}}, "output_config.effort"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {}}}}, "not supported"),
+    ({"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}, "not supported"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "messages.0.content.0.text: field required"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages.0.content.0.text: field required (a string), got integer"),
+    ({"system": [{"type": "text"}]}, "system.0.text: field required"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "object", "properties": 5}}]},
+     "tool 'f' has an invalid JSON schema: 5 is not of type 'object'"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "object", "required": "x"}}]},
+     "tool 'f' has an invalid JSON schema: 'x' is not of type 'array'"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "object", "properties": {
+        "a": {"$ref": "#/$defs/missing"}}}}]}, "'#/$defs/missing' does not resolve"),
+])
+def test_invalid_fields_are_400_as_anthropic_answers(server, extra, message):
+    r = _post(server, {"model": MODEL, "max_tokens": 5, "messages": _user("say hi")} | extra)
+    assert r.status_code == 400, r.text
+    err = r.json()
+    assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+    assert message in err["error"]["message"]
