@@ -10,8 +10,8 @@ model route answers 503 `model_not_loaded` (retriable), and /health too.
 
     create_app(FrontendSettings(engine={"submit": ..., ...})) -> ASGI callable
 
-Auth (`--require-auth`): every route but /health and /openapi.json needs a key, and /metrics too
-unless `--metrics-public`. A key is accepted as `Authorization: Bearer KEY` or as `x-api-key: KEY`
+Auth (`--require-auth`): every route but /health needs a key (/openapi.json included), and
+/metrics too unless `--metrics-public`. A key is accepted as `Authorization: Bearer KEY` or as `x-api-key: KEY`
 on every route, OpenAI and Anthropic alike (the OpenAI SDK sends the first, the Anthropic SDK the
 second; Claude Code sends either); when both are sent, the Bearer one is the one checked. The
 key is compared, in constant time, with every loaded key (SHA-256 digests, so not even its
@@ -23,8 +23,16 @@ from the addresses in gunicorn's forwarded_allow_ips, 127.0.0.1 by default: a lo
 proxy's clients get a bucket each). Responses carry x-ratelimit-{limit,remaining,reset}-
 {requests,tokens}; a 429 carries Retry-After.
 
-Input limits (header and body size, body and header deadlines, JSON depth, string and integer
-sizes, message count) are frontends.limits.
+Input limits (HTTP version, header and body size, body and header deadlines, JSON depth, string
+and integer sizes, message count) are frontends.limits.
+
+Engine loss (killed, restarting): the engine client notices it at once (metrale.client), fails
+every open request of the worker with a 503, and `Worker.engine_lost` makes every model route
+answer 503 `model_not_loaded` with Retry-After until the engine answers again.
+
+Every request gets one access log line (logger `metrale.access`, INFO): method, path, status,
+milliseconds, and the request id (the client's `x-request-id`, else a fresh one, echoed back in
+the `x-request-id` response header).
 """
 from __future__ import annotations
 
@@ -34,6 +42,9 @@ import hmac
 import logging
 import math
 import os
+import re
+import time
+import uuid
 from dataclasses import dataclass, field
 
 import falcon
@@ -41,7 +52,7 @@ import falcon.asgi
 import tokenizers
 
 from frontends import limits
-from metrale import levers
+from metrale import levers, wire
 from metrale.api import errors
 from metrale.api.errors import APIError
 from metrale.chat import ChatTemplate
@@ -49,8 +60,10 @@ from metrale.client import AsyncEngineClient, EngineUnavailable
 from metrale.tokenizer import Tokenizer
 
 log = logging.getLogger("metrale.frontend")
+access_log = logging.getLogger("metrale.access")
 
 MODEL_INFO_RETRY_S = 0.5
+MODEL_INFO_TIMEOUT_S = 1.0     # per model_info attempt while the engine loads or restarts
 PROBE_TIMEOUT_S = 2.0
 
 
@@ -90,12 +103,14 @@ class Worker:
         self.ready_info: dict | None = None
         self.tokenizer: Tokenizer | None = None
         self.template: ChatTemplate | None = None
+        self.max_prompt_bytes = 0        # more UTF-8 than this cannot fit the context (_use)
         self._loader: asyncio.Task | None = None
         self._key_digests = [_digest(t) for t in settings.auth_tokens]
 
     async def startup(self) -> None:
         self.client = AsyncEngineClient(self.settings.engine,
-                                        control_timeout_s=self.settings.control_timeout_s)
+                                        control_timeout_s=self.settings.control_timeout_s,
+                                        on_lost=self.engine_lost)
         self.client.start()
         self._loader = asyncio.get_running_loop().create_task(self._load_model_info())
 
@@ -108,8 +123,13 @@ class Worker:
     async def _load_model_info(self) -> None:
         while True:
             try:
-                info = await self.client.control("model_info")
+                info = wire.ModelInfo.from_dict(await self.client.control(
+                    "model_info", timeout_s=MODEL_INFO_TIMEOUT_S)).to_dict()
             except EngineUnavailable:
+                await asyncio.sleep(MODEL_INFO_RETRY_S)
+                continue
+            except ValueError as e:     # an error reply, or a model_info that does not validate
+                log.error("the engine's model_info is unusable (%s); asking again", e)
                 await asyncio.sleep(MODEL_INFO_RETRY_S)
                 continue
             self._use(info)
@@ -132,6 +152,7 @@ class Worker:
             template = ChatTemplate(info["chat_template"], special_tokens=tok.special_tokens_map,
                                     origin=f"the chat template of {info.get('name')}")
         self.tokenizer, self.template, self.info = tok, template, info
+        self.max_prompt_bytes = max_prompt_bytes(backend, info["max_seq_len"])
 
     def engine_lost(self) -> None:
         """The engine stopped answering: serve 503 until it is back and a probe went through
@@ -151,8 +172,7 @@ class Worker:
         return _presented_key(req.get_header("Authorization"), req.get_header("x-api-key"))
 
     def is_open(self, path: str) -> bool:
-        """Routes served without a key: /health, /openapi.json, and /metrics with
-        --metrics-public."""
+        """Routes served without a key: /health, and /metrics with --metrics-public."""
         path = path.rstrip("/") or "/"
         return path in OPEN_PATHS or (path == "/metrics" and self.settings.metrics_public)
 
@@ -212,6 +232,15 @@ class Worker:
         resp.set_headers(headers)
 
 
+def max_prompt_bytes(backend: tokenizers.Tokenizer, max_seq_len: int) -> int:
+    """The most UTF-8 bytes a prompt of max_seq_len tokens can hold: the longest token's bytes
+    (as its vocabulary string, which is never shorter than the text it decodes to), x2 for
+    normalizers that shorten text."""
+    longest = max((len(t.encode("utf-8", "surrogatepass")) for t in backend.get_vocab()),
+                  default=16)
+    return 2 * max(16, longest) * max_seq_len
+
+
 def _presented_key(authorization: str | None, x_api_key: str | None) -> str | None:
     """`Authorization: Bearer KEY` if sent, else `x-api-key: KEY`."""
     auth = authorization or ""
@@ -238,7 +267,7 @@ def duration(seconds: float) -> str:
 
 # ---- middleware and error handlers ----------------------------------------------------------
 
-OPEN_PATHS = ("/health", "/openapi.json")
+OPEN_PATHS = ("/health",)
 
 
 class AuthMiddleware:
@@ -361,6 +390,48 @@ class DisconnectWatch:
                 watcher.cancel()
 
 
+# ---- access log -----------------------------------------------------------------------------
+
+class AccessLog:
+    """ASGI wrapper: one log line per request, whatever answered it (a handler, a limit, the
+    auth gate): method, path, status, milliseconds, request id."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.monotonic()
+        request_id = _request_id(scope)
+        status = 0
+
+        async def send_logged(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", ()),
+                                      (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_logged)
+        finally:
+            access_log.info("%s %s %d %.1fms %s", scope.get("method"), scope.get("path"),
+                            status, 1000 * (time.monotonic() - t0), request_id)
+
+
+_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
+
+
+def _request_id(scope) -> str:
+    """The client's x-request-id when it is a plain token (it goes into a log line), else new."""
+    for k, v in scope["headers"]:
+        if k == b"x-request-id" and _REQUEST_ID.fullmatch(v):
+            return v.decode("ascii")
+    return uuid.uuid4().hex
+
+
 # ---- the app --------------------------------------------------------------------------------
 
 def create_app(settings: FrontendSettings):
@@ -375,9 +446,9 @@ def create_app(settings: FrontendSettings):
     app.add_error_handler(APIError, _on_api_error)
     add_routes(app, worker)
     app.add_route("/openapi.json", OpenAPI(worker))
-    return limits.InputLimits(DisconnectWatch(app), settings.max_body_bytes,
-                              settings.max_header_bytes, settings.body_timeout_s,
-                              gate=worker.gate)
+    return AccessLog(limits.InputLimits(DisconnectWatch(app), settings.max_body_bytes,
+                                        settings.max_header_bytes, settings.body_timeout_s,
+                                        gate=worker.gate))
 
 
 def default_settings(engine: dict, **kw) -> FrontendSettings:

@@ -33,8 +33,6 @@ from metrale.api.tool_parsers import (ToolArgsDelta, ToolCallEnd, ToolCallStart,
 from metrale.client import AsyncEngineClient, EngineUnavailable
 from metrale.tokenizer import IncrementalDetokenizer, Tokenizer
 
-LIVENESS_CHECK_S = 5.0
-
 
 # How `tool_choice` "required" / a named function is enforced: the assistant turn is prefilled
 # with the format's call opening (appended to the rendered prompt after the generation prompt),
@@ -216,7 +214,9 @@ class _Choice:
 
 _GONE = object()   # queued by Generation._watch_disconnect
 
-_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort", "timeout": "length"}
+# the engine's finish reasons as the frontends report them: "timeout" (--request-timeout) stays
+# distinct from "length" (max_tokens / the context), see frontends.routes
+_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort", "timeout": "timeout"}
 
 
 class Generation:
@@ -233,9 +233,10 @@ class Generation:
         """ChoiceText / ChoiceDone / APIError events until every choice is done (an APIError
         ends the iteration). Raises ConnectionAbortedError when the client disconnects.
 
-        One `queue.get()` per event under `asyncio.timeout` (a disconnect puts a sentinel in the
-        queue): the per-event task + `asyncio.wait` this replaced cost ~50 us per streamed
-        token, half the frontend's work per token."""
+        One `queue.get()` per event (a disconnect puts a sentinel in the queue): the per-event
+        task + `asyncio.wait` this replaced cost ~50 us per streamed token, half the frontend's
+        work per token. A lost engine needs no polling here: the engine client ends every open
+        request with a 503 error delta at once (metrale.client)."""
         loop = asyncio.get_running_loop()
         self.tasks = [loop.create_task(self._run(spec)) for spec in self.specs]
         gone = loop.create_task(self._watch_disconnect())
@@ -244,13 +245,7 @@ class Generation:
             while remaining:
                 if self.disconnected.is_set():
                     raise ConnectionAbortedError("the client disconnected")
-                try:
-                    async with asyncio.timeout(LIVENESS_CHECK_S):
-                        event = await self.queue.get()
-                except TimeoutError:
-                    event = await self._check_engine()
-                    if event is None:
-                        continue
+                event = await self.queue.get()
                 if event is _GONE:
                     raise ConnectionAbortedError("the client disconnected")
                 if isinstance(event, ChoiceDone):
@@ -265,15 +260,6 @@ class Generation:
     async def _watch_disconnect(self) -> None:
         await self.disconnected.wait()
         self.queue.put_nowait(_GONE)
-
-    async def _check_engine(self) -> APIError | None:
-        """Nothing came for a while: is the engine still there? (A submit to an engine that is
-        gone may block in ZeroMQ; the client must get a 503, never a hang.)"""
-        try:
-            await self.client.control("health")
-        except EngineUnavailable as e:
-            return errors.engine_unavailable(str(e))
-        return None
 
     async def cancel(self) -> None:
         for t in self.tasks:
@@ -291,7 +277,9 @@ class Generation:
         try:
             async for delta in stream:
                 if delta.error:
-                    self.queue.put_nowait(errors.from_engine(delta.error_status, delta.error))
+                    self.queue.put_nowait(errors.engine_unavailable(delta.error)
+                                          if delta.error_status == 503 else
+                                          errors.from_engine(delta.error_status, delta.error))
                     return
                 text, tokens, stopped = choice.feed(delta)
                 if stopped or delta.finish_reason is not None:

@@ -42,6 +42,10 @@ def options(bind: str, workers: int, log_level: str = "info") -> dict:
         # gunicorn's own HTTP parser is not used by uvicorn workers: no limit_request_* here;
         # header limits are frontends.limits (h11's max_incomplete_event_size and InputLimits)
         "proc_name": "metrale-frontend",
+        # gunicorn's control socket (gunicornc) defaults to one path per user
+        # (~/.gunicorn/gunicorn.ctl): every instance would share it and the first to exit would
+        # delete the others'. We do not use it.
+        "control_socket_disable": True,
     }
 
 

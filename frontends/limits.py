@@ -13,6 +13,8 @@ never a dead worker. Three layers, outermost first:
      max_incomplete_event_size) gets 431; any other HTTP/1.1 syntax error (bad Content-Length,
      bad request line, invalid header bytes) gets 400. Both close the connection.
 2. `InputLimits` (ASGI middleware around the Falcon app), in this order:
+   - 400 for a request line that names another HTTP version than 1.0 / 1.1 (`HTTP/2.0` over
+     plain HTTP/1 framing; real HTTP/2 needs a proxy in front);
    - 431 when the parsed headers total more than METRALE_MAX_HEADER_BYTES (h11 checks only heads
      that arrive in pieces, so this is the exact check);
    - 401 from the auth gate (frontends.app.Worker.gate) before a byte of the body is read;
@@ -127,6 +129,7 @@ class InputLimits:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         try:
+            _check_http_version(scope)
             self._check_headers(scope)
             if self.gate is not None:
                 self.gate(scope)
@@ -180,6 +183,13 @@ class InputLimits:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+
+def _check_http_version(scope) -> None:
+    version = scope.get("http_version", "1.1")
+    if version not in ("1.0", "1.1"):
+        raise errors.invalid(f"HTTP/{version} is not served here; send HTTP/1.1 (put an HTTP/2 "
+                             "proxy in front for HTTP/2 clients)")
 
 
 def too_large(limit: int) -> APIError:

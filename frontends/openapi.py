@@ -4,8 +4,8 @@ Hand-written, but its limits come from the modules that enforce them (the valida
 field lists and bounds in metrale.api.openai_schema, the sampling ranges in metrale.sampling,
 the served model's max_seq_len, METRALE_MAX_MESSAGES), so the description and the checks stay
 in step. It reflects the running server: the served model's name and context length, and
-security requirements only when --require-auth is on. It is served without auth, like /health:
-it describes the API, not the deployment (no keys, no addresses).
+security requirements only when --require-auth is on. Under --require-auth it needs a key like
+every route but /health (`--require-auth`'s help): it names the served model and its context.
 
     spec(model="m", max_seq_len=4096, require_auth=True, metrics_public=False) -> dict
 """
@@ -266,7 +266,7 @@ def spec(model: str | None = None, max_seq_len: int | None = None, require_auth:
     paths = {
         "/health": {"get": {"summary": "200 while serving; 503 while loading or without engine",
                             "security": open_, "responses": _responses({"type": "object"})}},
-        "/openapi.json": {"get": {"summary": "this document", "security": open_,
+        "/openapi.json": {"get": {"summary": "this document", "security": gated,
                                   "responses": _responses({"type": "object"})}},
         "/metrics": {"get": {"summary": "Prometheus metrics of the engine",
                              "security": open_ if metrics_public else gated,

@@ -30,9 +30,20 @@ prefill that enforces tool_choice "required" / named (see frontends.generate.TOO
     `thinking.budget_tokens`. The engine forces "\n</think>\n\n" when it is used up
     (metrale.thinking); models without single `<think>`/`</think>` tokens refuse a budget.
   * --tool-max-tokens caps max_tokens whenever tools are present.
+
+Finish reasons (OpenAI routes): "stop", "length" (max_tokens or the context), "tool_calls",
+"abort", and the extension "timeout": the request ran past `--request-timeout`; the text made
+until then is in the response (or was streamed), and the stream ends normally with `[DONE]`.
+The engine counts these in `metrale_request_timeouts_total`.
+
+Request work that costs CPU time (rendering a chat template, tokenizing) runs in a thread, not
+on the worker's event loop, so one huge prompt does not stall the worker's other streams; and a
+prompt whose UTF-8 size is more than the context could hold (max_seq_len x the longest token's
+bytes x 2) is refused with 400 `context_length_exceeded` before it is tokenized.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass
@@ -125,22 +136,38 @@ class Models(_Resource):
 class Tokenize(_Resource):
     async def on_post(self, req, resp):
         info, body = await self._object_body(req)
+        ids = await asyncio.to_thread(self._tokenize, body)
+        strs = [self.tokenizer.id_to_token(i) for i in ids] if body.get("return_token_strs") \
+            else None
+        _json(resp, {"count": len(ids), "max_model_len": info["max_seq_len"], "tokens": ids,
+                     "token_strs": strs})
+
+    def _tokenize(self, body: dict) -> list[int]:
         if "messages" in body:
             chat = schema.parse_chat_request({"messages": body["messages"],
                                               "add_generation_prompt":
                                                   body.get("add_generation_prompt", True)})
             text = _render_chat(self.worker, chat)
-            ids = self.tokenizer.encode(text, add_special_tokens=bool(
+            return encode_prompt(self.worker, text, "messages", bool(
                 body.get("add_special_tokens", False)))
-        elif isinstance(body.get("prompt"), str):
-            ids = self.tokenizer.encode(body["prompt"], add_special_tokens=bool(
+        if isinstance(body.get("prompt"), str):
+            return encode_prompt(self.worker, body["prompt"], "prompt", bool(
                 body.get("add_special_tokens", True)))
-        else:
-            raise errors.invalid("send 'prompt' (a string) or 'messages' (a chat)", "prompt")
-        strs = [self.tokenizer.id_to_token(i) for i in ids] if body.get("return_token_strs") \
-            else None
-        _json(resp, {"count": len(ids), "max_model_len": info["max_seq_len"], "tokens": ids,
-                     "token_strs": strs})
+        raise errors.invalid("send 'prompt' (a string) or 'messages' (a chat)", "prompt")
+
+
+def encode_prompt(worker: Worker, text: str, param: str,
+                  add_special_tokens: bool = True) -> list[int]:
+    """`text` as token ids, refused (400) first when it is too big for the context to hold:
+    tokenizing megabytes costs seconds that no answer but a 400 can come of. Call it off the
+    event loop (asyncio.to_thread)."""
+    limit = worker.max_prompt_bytes
+    if len(text) > limit or (4 * len(text) > limit and
+                             len(text.encode("utf-8", "surrogatepass")) > limit):
+        raise APIError(400, f"the prompt is larger than this model's context can hold: more "
+                       f"than {limit} bytes of text for {worker.info['max_seq_len']} tokens; "
+                       "shorten it", param=param, code="context_length_exceeded")
+    return worker.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 class Detokenize(_Resource):
@@ -247,7 +274,7 @@ def prepare_chat(worker: Worker, messages: list[dict], *, tools: list[dict] | No
                         "think_end_id": end_id, "starts_in_thinking": starts,
                         "forced_close_ids": worker.tokenizer.encode(
                             FORCED_CLOSE, add_special_tokens=False)}
-    ids = worker.tokenizer.encode(text + plan.prefill, add_special_tokens=False)
+    ids = encode_prompt(worker, text + plan.prefill, "messages", add_special_tokens=False)
     cap = fs.get("tool_max_tokens") if tools else None
     return PreparedChat(ids, plan, sampling, cap)
 # ---- generation -----------------------------------------------------------------------------
@@ -258,6 +285,7 @@ def _specs(worker: Worker, greq: schema.GenerationParams, prompts: list[list[int
     """Validated engine submissions: one per (prompt, choice)."""
     info = worker.info
     limit = info["max_seq_len"]
+    _check_num_choices(info, len(prompts) * greq.n)
     specs = []
     for p, ids in enumerate(prompts):
         if not ids:
@@ -287,6 +315,15 @@ def _specs(worker: Worker, greq: schema.GenerationParams, prompts: list[list[int
                 d["seed"] = params.seed + i
             specs.append(ChoiceSpec(p * greq.n + i, ids, d, greq.stop, plan))
     return specs
+
+
+def _check_num_choices(info: dict, num: int) -> None:
+    """n x prompts sequences can never run at once past --max-num-seqs: 400, not a 429."""
+    most = info.get("max_num_seqs")
+    if most and num > most:
+        raise errors.invalid(f"this request asks for {num} sequences (n x prompts) but the "
+                             f"server runs at most {most} at once (--max-num-seqs); lower n",
+                             "n")
 
 
 class _Generate(_Resource):
@@ -538,11 +575,12 @@ class CompletionFormat(_Format):
 class ChatCompletions(_Generate):
     async def on_post(self, req, resp):
         chat = await self._parsed(req, schema.parse_chat_request)
-        p = prepare_chat(self.worker, chat.messages, tools=chat.tools, choice=chat.tool_choice,
-                         parallel=chat.parallel_tool_calls, kwargs=chat.chat_template_kwargs,
-                         thinking_budget=chat.thinking_budget,
-                         add_generation_prompt=chat.add_generation_prompt,
-                         continue_final_message=chat.continue_final_message)
+        p = await asyncio.to_thread(
+            prepare_chat, self.worker, chat.messages, tools=chat.tools, choice=chat.tool_choice,
+            parallel=chat.parallel_tool_calls, kwargs=chat.chat_template_kwargs,
+            thinking_budget=chat.thinking_budget,
+            add_generation_prompt=chat.add_generation_prompt,
+            continue_final_message=chat.continue_final_message)
         specs = _specs(self.worker, chat, [p.ids], "messages", p.max_tokens_cap, p.plan,
                        p.sampling)
         await self._run(req, resp, chat, specs, [p.ids], ChatFormat(self.worker, chat, [p.ids]))
@@ -554,7 +592,8 @@ class Completions(_Generate):
         token_lists = []
         for p in creq.prompts:
             if isinstance(p, str):
-                token_lists.append(self.tokenizer.encode(p))
+                token_lists.append(await asyncio.to_thread(encode_prompt, self.worker, p,
+                                                           "prompt"))
             else:
                 _check_ids(self.worker, p, "prompt")
                 token_lists.append(p)

@@ -3,8 +3,18 @@
 One client per frontend worker process. It pushes Submit/Abort, subscribes to its own topic of
 the engine's output PUB socket, and dispatches each TokenDelta to the queue of the request it
 belongs to; control calls (health, model info, stats, rate limits) go over a DEALER socket.
-A heartbeat every second tells the engine this frontend is alive: when it stops (the worker was
-killed), the engine aborts its requests.
+
+Liveness, both ways, independent of request work:
+
+* frontend -> engine: a heartbeat every second from a dedicated thread with its own socket, so a
+  worker whose event loop is busy (a huge prompt being tokenized) is not declared dead and its
+  other streams are not aborted. When the heartbeats stop (the worker was killed), the engine
+  aborts its requests.
+* engine -> frontend: the engine echoes every heartbeat on our output topic. The engine is lost
+  when the output connection closes (a ZeroMQ monitor event: a killed engine is noticed at once,
+  over ipc:// and tcp://) or when nothing has come for ENGINE_SILENCE_S. Then every open request
+  of this worker gets an error delta (503) at once, and `on_lost` is called; new submits are
+  refused with EngineUnavailable until the engine is heard again.
 
     async for delta in client.generate(request_id, prompt_ids, params_dict):
         ...   # wire.TokenDelta; the last one has finish_reason set
@@ -13,28 +23,61 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
+import threading
+import time
 import uuid
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
 
 from metrale import wire
 
+log = logging.getLogger("metrale.client")
+
 HEARTBEAT_INTERVAL_S = 1.0
-LIVENESS_CHECK_S = 5.0
+ENGINE_SILENCE_S = 5.0         # no echo for this long while requests are open: the engine is gone
+WATCH_INTERVAL_S = 0.25
 
 
 class EngineUnavailable(RuntimeError):
-    """The engine did not answer in time: the API answers 503, retriable."""
+    """The engine did not answer in time, or is gone: the API answers 503, retriable."""
+
+
+class _HeartbeatThread(threading.Thread):
+    """Sends this frontend's heartbeat every HEARTBEAT_INTERVAL_S on a socket of its own: the
+    engine hears it whatever the event loop is doing."""
+
+    def __init__(self, address: str, frontend_id: str):
+        super().__init__(name="metrale-heartbeat", daemon=True)
+        self.address = address
+        self.msg = wire.encode(wire.Control("heartbeat", {"frontend_id": frontend_id}))
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)     # no backlog of beats for an engine that is gone
+        sock.setsockopt(zmq.SNDHWM, 2)
+        sock.connect(self.address)
+        try:
+            while not self.stopped.is_set():
+                with contextlib.suppress(zmq.Again):
+                    sock.send_multipart(self.msg, zmq.NOBLOCK)
+                self.stopped.wait(HEARTBEAT_INTERVAL_S)
+        finally:
+            sock.close(0)
 
 
 class AsyncEngineClient:
     def __init__(self, addresses: dict, frontend_id: str | None = None,
-                 control_timeout_s: float = 5.0):
+                 control_timeout_s: float = 5.0, on_lost=None):
         self.addresses = addresses
         self.frontend_id = frontend_id or f"fe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.control_timeout_s = control_timeout_s
+        self.on_lost = on_lost           # called (no arguments) when the engine is lost
         self.ctx = zmq.asyncio.Context.instance()
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.LINGER, 0)
@@ -43,36 +86,45 @@ class AsyncEngineClient:
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.RCVHWM, 0)
         self.sub.setsockopt(zmq.SUBSCRIBE, self.frontend_id.encode())
+        self._monitor = self.sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.sub.connect(addresses["output"])
         self._control_lock = asyncio.Lock()
         self._dealer = None
         self.queues: dict[str, asyncio.Queue] = {}
         self._tasks: list[asyncio.Task] = []
+        self._heartbeat: _HeartbeatThread | None = None
         self._heard = asyncio.Event()   # set by every message on our topic (heartbeat echoes too)
+        self.last_heard = time.monotonic()
+        self.lost: str | None = None    # why the engine is considered gone; None while it is up
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the output reader and the heartbeat (call from inside the event loop)."""
+        """Start the output reader, the liveness watch and the heartbeat thread (call from
+        inside the event loop)."""
         if not self._tasks:
             loop = asyncio.get_running_loop()
-            self._tasks = [loop.create_task(self._read_outputs()), loop.create_task(self._beat())]
+            self._tasks = [loop.create_task(self._read_outputs()),
+                           loop.create_task(self._watch_disconnects()),
+                           loop.create_task(self._watch_silence())]
+            self._heartbeat = _HeartbeatThread(self.addresses["submit"], self.frontend_id)
+            self._heartbeat.start()
 
     async def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stopped.set()
+            self._heartbeat.join(2.0)
+            self._heartbeat = None
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks = []
-        for s in (self.push, self.sub, self._dealer):
+        with contextlib.suppress(zmq.ZMQError):
+            self.sub.disable_monitor()
+        for s in (self.push, self.sub, self._dealer, self._monitor):
             if s is not None:
                 s.close(0)
-
-    async def _beat(self) -> None:
-        msg = wire.encode(wire.Control("heartbeat", {"frontend_id": self.frontend_id}))
-        while True:
-            await self.push.send_multipart(msg)
-            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     async def _read_outputs(self) -> None:
         while True:
@@ -81,11 +133,50 @@ class AsyncEngineClient:
                 out = wire.decode(frames)
             except ValueError:
                 continue
+            self.last_heard = time.monotonic()
+            if self.lost is not None:
+                log.info("the engine is back (was: %s)", self.lost)
+                self.lost = None
             self._heard.set()
             for delta in out.deltas:
                 q = self.queues.get(delta.request_id)
                 if q is not None:
                     q.put_nowait(delta)
+
+    # -- liveness ---------------------------------------------------------------------------
+    async def _watch_disconnects(self) -> None:
+        """The output connection closed: the engine process is gone (or restarting)."""
+        while True:
+            event = await recv_monitor_message(self._monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self.engine_gone("the connection to the engine closed")
+
+    async def _watch_silence(self) -> None:
+        """No echo for ENGINE_SILENCE_S: the engine (or its host) is gone. A pause of this
+        loop itself is not the engine's silence: after one, the clock starts again."""
+        loop = asyncio.get_running_loop()
+        tick = loop.time()
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            now = loop.time()
+            if now - tick > 4 * WATCH_INTERVAL_S:       # this loop was stalled, not the engine
+                self.last_heard = max(self.last_heard, time.monotonic())
+            tick = now
+            silent = time.monotonic() - self.last_heard
+            if self.queues and self.lost is None and silent > ENGINE_SILENCE_S:
+                self.engine_gone(f"no word from the engine for {silent:.0f}s")
+
+    def engine_gone(self, why: str) -> None:
+        """Fail every open request of this worker at once (503) and tell `on_lost`."""
+        first = self.lost is None
+        self.lost = why
+        failed = wire.TokenDelta("", (), "error", error=why, error_status=503)
+        for rid, q in list(self.queues.items()):
+            q.put_nowait(failed._replace(request_id=rid))
+        if first:
+            log.warning("engine lost (%s): failed %d open requests", why, len(self.queues))
+            if self.on_lost is not None:
+                self.on_lost()
 
     async def wait_subscribed(self, timeout_s: float) -> bool:
         """Wait for the engine's next echo of our heartbeat on our output topic: once one has
@@ -102,16 +193,25 @@ class AsyncEngineClient:
     # -- requests ---------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids, sampling_params: dict):
         """Submit and yield the request's TokenDeltas until it finishes. Leaving the iterator
-        early (client disconnect, stop string matched) aborts the request in the engine."""
+        early (client disconnect, stop string matched) aborts the request in the engine. A
+        lost engine ends it with an error delta (error_status 503)."""
         self.start()
+        if self.lost is not None:
+            raise EngineUnavailable(self.lost)
         q: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = q
         finished = False
         try:
-            await self.push.send_multipart(wire.encode(wire.Submit(
-                request_id, self.frontend_id, tuple(prompt_token_ids), sampling_params)))
+            msg = wire.encode(wire.Submit(request_id, self.frontend_id,
+                                          tuple(prompt_token_ids), sampling_params))
+            try:
+                async with asyncio.timeout(self.control_timeout_s):
+                    await self.push.send_multipart(msg)
+            except TimeoutError:
+                raise EngineUnavailable("the engine did not take the request within "
+                                        f"{self.control_timeout_s:.0f}s") from None
             while True:
-                delta = await self._next(q)
+                delta = await q.get()
                 finished = delta.finish_reason is not None
                 yield delta
                 if finished:
@@ -121,37 +221,28 @@ class AsyncEngineClient:
             if not finished:
                 await self.abort(request_id, "client_gone")
 
-    async def _next(self, q: asyncio.Queue):
-        """The next delta; while none comes, make sure the engine is still there (a dead
-        engine must give the client a 503, never a hang)."""
-        while True:
-            try:
-                # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a
-                # cancellation that lands as q.get() completes, and a cancelled (client gone)
-                # request then ran on to max_tokens instead of being aborted
-                async with asyncio.timeout(LIVENESS_CHECK_S):
-                    return await q.get()
-            except TimeoutError:
-                await self.control("health")
-
     async def abort(self, request_id: str, reason: str = "abort") -> None:
-        await self.push.send_multipart(wire.encode(wire.Abort(request_id, reason)))
+        with contextlib.suppress(zmq.Again):
+            await self.push.send_multipart(wire.encode(wire.Abort(request_id, reason)),
+                                           zmq.NOBLOCK)
 
     # -- control ----------------------------------------------------------------------------
-    async def control(self, op: str, **args) -> dict:
-        """One control round trip; EngineUnavailable when the engine does not answer."""
+    async def control(self, op: str, timeout_s: float | None = None, **args) -> dict:
+        """One control round trip; EngineUnavailable when the engine does not answer within
+        `timeout_s` (default: control_timeout_s)."""
+        timeout_s = self.control_timeout_s if timeout_s is None else timeout_s
         async with self._control_lock:
             if self._dealer is None:
                 self._dealer = self.ctx.socket(zmq.DEALER)
                 self._dealer.setsockopt(zmq.LINGER, 0)
                 self._dealer.connect(self.addresses["control"])
             await self._dealer.send_multipart(wire.encode(wire.Control(op, args)))
-            if not await self._dealer.poll(int(self.control_timeout_s * 1000)):
+            if not await self._dealer.poll(int(timeout_s * 1000)):
                 # the reply may still come: a fresh socket keeps it from answering the next call
                 self._dealer.close(0)
                 self._dealer = None
                 raise EngineUnavailable(f"the engine did not answer {op!r} within "
-                                        f"{self.control_timeout_s:.0f}s")
+                                        f"{timeout_s:g}s")
             reply = wire.decode(await self._dealer.recv_multipart())
         if not reply.ok:
             raise ValueError(reply.data.get("error", f"control {op!r} failed"))

@@ -13,6 +13,9 @@ class EngineMetrics:
         self.model = model
         r = self.registry = CollectorRegistry()
         self.requests_total = Counter("metrale_requests", "requests admitted", registry=r)
+        self.request_timeouts = Counter(
+            "metrale_request_timeouts", "requests ended by --request-timeout (finish reason "
+            "\"timeout\")", registry=r)
         self.requests_active = Gauge("metrale_requests_active", "requests in flight", registry=r)
         self.ttft = Histogram("metrale_time_to_first_token_seconds", "time to first token",
                               ["model"], buckets=_TTFT_BUCKETS, registry=r)
@@ -43,7 +46,9 @@ class EngineMetrics:
         self.generation_tokens.inc(n)
         self.decoded_tokens.inc(n)
 
-    def finished(self) -> None:
+    def finished(self, finish_reason: str | None = None) -> None:
+        if finish_reason == "timeout":
+            self.request_timeouts.inc()
         self._active -= 1
         self.requests_active.set(self._active)
 

@@ -161,10 +161,13 @@ def test_valid_keys_from_the_flag_and_the_file(server):
     assert r.status_code != 401
 
 
-def test_health_and_openapi_stay_open(server):
+def test_only_health_is_open_and_openapi_needs_a_key(server):
+    """--require-auth's help: every route but /health needs a key (/openapi.json too)."""
     assert requests.get(server.url + "/health").status_code == 200
     assert requests.get(server.url + "/health", headers=_auth("wrong")).status_code == 200
     r = requests.get(server.url + "/openapi.json")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = requests.get(server.url + "/openapi.json", headers=_auth())
     assert r.status_code == 200 and r.json()["openapi"].startswith("3.1")
     schemes = r.json()["components"]["securitySchemes"]
     assert schemes["bearerAuth"]["scheme"] == "bearer"
