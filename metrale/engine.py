@@ -30,6 +30,7 @@ from metrale.core import EngineCore, RequestOutput
 from metrale.events import Journal
 from metrale.metrics import EngineMetrics
 from metrale.ratelimit import RateLimiter
+from metrale.recovery import abort_unfinished
 from metrale.request import Request
 from metrale.sampling import SamplingParams
 
@@ -119,6 +120,8 @@ class EngineServer:
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
+        if self.journal:
+            abort_unfinished(self.journal, self.emit)   # what a killed predecessor left open
         self.emit("ModelLoaded", model=self.model_info.get("name"),
                   model_type=self.model_info.get("model_type"))
         while self.running:
@@ -281,7 +284,7 @@ class EngineServer:
         del self.live[out.request_id]
         ttft = None if live.first_token_at is None else live.first_token_at - live.arrival
         elapsed = now - live.arrival
-        self.metrics.finished()
+        self.metrics.finished(out.finish_reason)
         record = dict(request_id=out.request_id, reason=out.finish_reason,
                       num_prompt_tokens=out.num_prompt_tokens,
                       num_output_tokens=out.num_output_tokens,

@@ -114,6 +114,7 @@ def build_server(spec: EngineSpec):
         "name": ckpt.name,
         "model_type": ckpt.model_type,
         "max_seq_len": core.config.max_seq_len,
+        "max_num_seqs": core.config.max_num_seqs,
         "vocab_size": ckpt.config.get("vocab_size"),
         "tokenizer_json": tokenizer_json,
         "tokenizer_config": {k: v for k, v in ckpt.tokenizer_config.items()

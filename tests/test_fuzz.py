@@ -76,7 +76,7 @@ def _served_fine(srv: Server) -> None:
 # ---- the OpenAPI description, fuzzed ----------------------------------------------------------
 
 def test_openapi_is_valid_3_1_and_open(server):
-    r = requests.get(server.url + "/openapi.json")          # no key: open, like /health
+    r = requests.get(server.url + "/openapi.json", headers=AUTH)   # gated, like every route
     assert r.status_code == 200
     spec = r.json()
     assert spec["openapi"].startswith("3.1")
@@ -104,7 +104,7 @@ def _bounded(spec: dict) -> dict:
 
 
 def test_schemathesis_finds_no_server_error(server):
-    spec = _bounded(requests.get(server.url + "/openapi.json").json())
+    spec = _bounded(requests.get(server.url + "/openapi.json", headers=AUTH).json())
     schema = schemathesis.openapi.from_dict(spec)
     session = requests.Session()
     calls = 0
