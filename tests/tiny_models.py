@@ -145,3 +145,154 @@ def load_tiny(path) -> Checkpoint:
     from metrale.models.loader import load_checkpoint
 
     return load_checkpoint(str(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints with the files real releases carry
+
+# Qwen2.5-Instruct's chat template (tools, tool calls, tool results, the default system prompt).
+QWEN2_5_CHAT_TEMPLATE = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\\n<tool_call>\\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- message.content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
+# What transformers writes for a tokenizer saved without a length limit (VERY_LARGE_INTEGER):
+# more than 64 bits.
+HUGE_MODEL_MAX_LENGTH = int(1e30)
+QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+QWEN_PLAIN_ADDED = ("<tool_call>", "</tool_call>")                 # added, not special
+# Ids as in Qwen's vocabulary layout: byte tokens, then ordinary merges (fillers here), then the
+# added tokens at the end.
+QWEN_IDS = {t: VOCAB - 5 + i for i, t in enumerate(QWEN_SPECIALS + QWEN_PLAIN_ADDED)}
+ENDOFTEXT, IM_START, IM_END = (QWEN_IDS[t] for t in QWEN_SPECIALS)
+
+
+def write_qwen_tokenizer(path, chat_template: str | None = QWEN2_5_CHAT_TEMPLATE) -> dict:
+    """A byte-level BPE tokenizer.json (256 byte tokens, filler words, then Qwen's added tokens
+    at QWEN_IDS: VOCAB ids in all) and the tokenizer_config.json of a Qwen2.5-Instruct release
+    re-saved by transformers: `added_tokens_decoder`, `additional_special_tokens`,
+    `bos_token: null`, the chat template, and `model_max_length` 1e30. Returns that dict."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update((f"w{i}", len(vocab)) for i in range(VOCAB - 5 - len(vocab)))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in QWEN_SPECIALS])
+    tok.add_tokens([AddedToken(s, special=False, normalized=False) for s in QWEN_PLAIN_ADDED])
+    assert all(tok.token_to_id(t) == i for t, i in QWEN_IDS.items())
+    os.makedirs(path, exist_ok=True)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    decoder = {str(i): dict(content=t, lstrip=False, normalized=False, rstrip=False,
+                            single_word=False, special=t in QWEN_SPECIALS) for t, i in QWEN_IDS.items()}
+    config = {"add_bos_token": False, "add_prefix_space": False, "added_tokens_decoder": decoder,
+              "additional_special_tokens": ["<|im_start|>", "<|im_end|>"], "bos_token": None,
+              "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>", "errors": "replace",
+              "model_max_length": HUGE_MODEL_MAX_LENGTH, "pad_token": "<|endoftext|>",
+              "split_special_tokens": False, "tokenizer_class": "Qwen2Tokenizer", "unk_token": None}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    return config
+
+
+def rewrite_config(path, **changes) -> dict:
+    """Edit config.json in place: keys set to a value replace, keys set to None are removed
+    (to write the transformers-4 spellings real releases carry)."""
+    import json
+
+    file = os.path.join(path, "config.json")
+    with open(file, encoding="utf-8") as f:
+        config = json.load(f)
+    for key, value in changes.items():
+        config.pop(key, None) if value is None else config.__setitem__(key, value)
+    with open(file, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    return config
+
+
+def write_generation_config(path, **values) -> None:
+    import json
+
+    with open(os.path.join(path, "generation_config.json"), "w", encoding="utf-8") as f:
+        json.dump({**values, "transformers_version": "4.37.0"}, f, indent=2)
+
+
+def make_qwen2_5_instruct(path, max_position_embeddings: int = 4096) -> str:
+    """A tiny Qwen2.5-Instruct-shaped checkpoint with every quirk the real release carries, as
+    transformers 4 wrote it: `torch_dtype` bfloat16, top-level `rope_theta` and a legacy
+    `rope_scaling` (YaRN, as Qwen's long-context instructions add it), `sliding_window` set
+    with `use_sliding_window: false`, tied embeddings (the 0.5B-3B sizes), config.json's
+    `eos_token_id` an int while generation_config.json's is a list, generation_config.json
+    sampling defaults, and the tokenizer files of write_qwen_tokenizer (plus a
+    chat_template.jinja, as a transformers-5 re-save adds)."""
+    make_tiny("qwen2", path, dtype="bfloat16", tie_word_embeddings=True,
+              max_position_embeddings=max_position_embeddings, sliding_window=max_position_embeddings,
+              max_window_layers=2)
+    rewrite_config(path, dtype=None, torch_dtype="bfloat16", rope_parameters=None, layer_types=None,
+                   rope_theta=1000000.0, bos_token_id=ENDOFTEXT, eos_token_id=IM_END,
+                   rope_scaling={"factor": 4.0, "original_max_position_embeddings": max_position_embeddings // 4,
+                                 "type": "yarn"},
+                   transformers_version="4.43.1")
+    write_generation_config(path, bos_token_id=ENDOFTEXT, pad_token_id=ENDOFTEXT, do_sample=True,
+                            eos_token_id=[IM_END, ENDOFTEXT], repetition_penalty=1.05, temperature=0.7,
+                            top_p=0.8, top_k=20)
+    write_qwen_tokenizer(path)
+    with open(os.path.join(path, "chat_template.jinja"), "w", encoding="utf-8") as f:
+        f.write(QWEN2_5_CHAT_TEMPLATE)
+    return str(path)

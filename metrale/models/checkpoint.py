@@ -25,7 +25,7 @@ class Checkpoint:
     generation_config: dict = field(default_factory=dict)
     tokenizer_json: str | None = None    # path to a tokenizer.json (HF `tokenizers` format)
     tokenizer_config: dict = field(default_factory=dict)
-    chat_template: str | None = None
+    chat_template: str | dict[str, str] | None = None  # several: name -> template
     tensor_files: Mapping[str, str] = field(default_factory=dict)  # tensor name -> file, for errors
 
     @property

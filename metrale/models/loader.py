@@ -180,7 +180,7 @@ def load_hf_folder(folder: str, name: str, weights: bool = True) -> Checkpoint:
         tensors=tensors,
         path=folder,
         name=name,
-        generation_config=_read_json_if_present(os.path.join(folder, "generation_config.json")) or {},
+        generation_config=read_generation_config(folder, config),
         tokenizer_json=tokenizer_json if os.path.isfile(tokenizer_json) else None,
         tokenizer_config=tokenizer_config,
         chat_template=read_chat_template(folder, tokenizer_config),
@@ -224,20 +224,55 @@ def flatten_text_config(config: dict) -> dict:
     return flat
 
 
-def read_chat_template(folder: str, tokenizer_config: dict) -> str | None:
-    """chat_template.jinja (transformers 5), else tokenizer_config.json's, else chat_template.json's."""
-    jinja = os.path.join(folder, "chat_template.jinja")
-    if os.path.isfile(jinja):
-        with open(jinja, encoding="utf-8") as f:
-            return f.read()
+# What transformers' GenerationConfig.from_model_config takes from config.json when a key is unset.
+_GENERATION_IDS_FROM_CONFIG = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def read_generation_config(folder: str, config: dict) -> dict:
+    """generation_config.json, its unset token ids (eos_token_id: an int or a list) filled in
+    from config.json, as transformers does for a checkpoint that ships none."""
+    generation = _read_json_if_present(os.path.join(folder, "generation_config.json")) or {}
+    for key in _GENERATION_IDS_FROM_CONFIG:
+        if generation.get(key) is None and config.get(key) is not None:
+            generation[key] = config[key]
+    return generation
+
+
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
+
+
+def read_chat_template(folder: str, tokenizer_config: dict) -> str | dict[str, str] | None:
+    """The checkpoint's chat template(s), chosen as transformers' tokenizer loading does:
+    template files (`chat_template.jinja` as "default", `additional_chat_templates/<name>.jinja`
+    by name) win over tokenizer_config.json's `chat_template` (a string, or a list of named
+    ones); a processor's `chat_template.json` is the last resort. One template is a string,
+    several a name -> template dict."""
+    files = _template_files(folder)
+    if files:
+        return files["default"] if list(files) == ["default"] else files
     template = tokenizer_config.get("chat_template")
     if template is None:
         template = (_read_json_if_present(os.path.join(folder, "chat_template.json")) or {}).get(
             "chat_template")
     if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default", next(iter(named.values()), None))
+        return {t["name"]: t["template"] for t in template
+                if isinstance(t, dict) and isinstance(t.get("template"), str)}
     return template
+
+
+def _template_files(folder: str) -> dict[str, str]:
+    paths = {}
+    if os.path.isfile(os.path.join(folder, "chat_template.jinja")):
+        paths["default"] = os.path.join(folder, "chat_template.jinja")
+    extra = os.path.join(folder, CHAT_TEMPLATE_DIR)
+    if os.path.isdir(extra):
+        paths.update((n[: -len(".jinja")], os.path.join(extra, n))
+                     for n in sorted(os.listdir(extra)) if n.endswith(".jinja"))
+    templates = {}
+    for name, path in paths.items():
+        with open(path, encoding="utf-8") as f:
+            templates[name] = f.read()
+    return templates
 
 
 def _read_json(path: str) -> dict:

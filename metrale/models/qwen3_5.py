@@ -21,7 +21,8 @@ from metrale.cache.kv import AttentionSpec, CacheSpec, GdnSpec
 from metrale.models.checkpoint import Checkpoint, CheckpointError
 from metrale.models.layers import (Attention, AttentionShape, CausalLM, DecoderLayer, DenseMLP,
                                    NormSpec, SparseMoe, Weights, head_dim_of, load_embeddings,
-                                   require_silu, rope_inv_freq)
+                                   require_silu)
+from metrale.models.rope import rope_from_config
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 MOE_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
@@ -109,7 +110,10 @@ def build_qwen3_5(ckpt: Checkpoint, ops) -> CausalLM:
     norm = NormSpec(float(config.get("rms_norm_eps", 1e-6)), 1.0)
     attn_shape = AttentionShape(config["num_attention_heads"], config["num_key_value_heads"],
                                 head_dim_of(config), gated=True)
-    rope = rope_inv_freq(config, attn_shape.head_dim, default_partial=0.25)
+    rope = rope_from_config(config, attn_shape.head_dim, default_partial=0.25)
+    if rope.attention_factor != 1.0:
+        raise CheckpointError(f"{ckpt.path}: config.json's rope settings give an attention factor "
+                              f"of {rope.attention_factor:.4f} (YaRN); not supported for Qwen3.5")
     gdn = _gdn_spec(config)
     prefix = _text_prefix(ckpt)
     moe = ckpt.model_type in MOE_MODEL_TYPES
@@ -121,7 +125,7 @@ def build_qwen3_5(ckpt: Checkpoint, ops) -> CausalLM:
             mixer = GatedDeltaNet(w.sub("linear_attn."), i, hidden, gdn, norm.eps, config["linear_num_key_heads"])
             specs.append(gdn)
         else:
-            mixer = Attention(w.sub("self_attn."), i, hidden, attn_shape, norm, rope,
+            mixer = Attention(w.sub("self_attn."), i, hidden, attn_shape, norm, rope.frequencies,
                               qkv_bias=False, o_bias=False, qk_norm=True)
             specs.append(AttentionSpec(attn_shape.n_kv_heads, attn_shape.head_dim))
         layers.append(DecoderLayer(ops, mixer, _mlp(w.sub("mlp."), config, moe),
