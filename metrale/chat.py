@@ -8,8 +8,9 @@ and any `chat_template_kwargs` (e.g. `enable_thinking`); the globals `raise_exce
 `strftime_now`; and a `tojson` filter that keeps non-ASCII text and HTML characters as they are.
 
 `load_chat_template` picks the template to use for a model: an explicit one (the
-`--chat-template` flag), else a per-model override `jinja-templates/<model_type>.jinja`, else
-the checkpoint's own. Overrides exist to fix upstream templates; see jinja-templates/README.md.
+`--chat-template` flag: a file's path or the template text), else a per-model override
+`metrale/jinja-templates/<model_type>.jinja` (package data, so it ships in the wheel), else the
+checkpoint's own. Overrides exist to fix upstream templates; see metrale/jinja-templates/README.md.
 
 `normalize_messages` turns OpenAI-style messages into what templates expect.
 """
@@ -32,6 +33,7 @@ RESERVED_VARIABLES = frozenset({"messages", "tools", "documents", "add_generatio
 # Marks the end of the final message when continuing it (the same tag as transformers).
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 OVERRIDES_DIRNAME = "jinja-templates"
+OVERRIDES_DIR = Path(__file__).resolve().parent / OVERRIDES_DIRNAME
 
 
 class ChatTemplateError(ValueError):
@@ -118,7 +120,8 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as exc:
             raise ChatTemplateError(
                 f"{self.origin} ({name}): jinja syntax error on line {exc.lineno}: {exc.message}; "
-                "fix the template or add an override in jinja-templates/") from exc
+                "fix the template, pass --chat-template, or add an override in "
+                f"metrale/{OVERRIDES_DIRNAME}/") from exc
 
     def _pick(self, tools: Sequence | None, name: str | None) -> jinja2.Template:
         """transformers' choice among named templates: the one asked for, else `tool_use`
@@ -197,10 +200,9 @@ def _cut_at_continue_tag(text: str) -> str:
 # ---- picking the template -----------------------------------------------------------------
 
 def default_override_dirs() -> list[Path]:
-    """Where per-model overrides live: `jinja-templates/` shipped inside the package, or at the
-    root of a source checkout (editable install)."""
-    package = Path(__file__).resolve().parent
-    return [d for d in (package / OVERRIDES_DIRNAME, package.parent / OVERRIDES_DIRNAME) if d.is_dir()]
+    """Where per-model overrides live: `metrale/jinja-templates/`, package data next to this
+    module (the same path in a source checkout and in an installed wheel)."""
+    return [OVERRIDES_DIR] if OVERRIDES_DIR.is_dir() else []
 
 
 def find_override(model_type: str, override_dirs: Sequence[Path] | None = None) -> Path | None:
@@ -215,14 +217,18 @@ def find_override(model_type: str, override_dirs: Sequence[Path] | None = None) 
 
 
 def _explicit_template(value: str) -> tuple[str, str]:
-    """--chat-template: a path to a file, or the template text itself."""
+    """--chat-template: (source, origin) of a path to a template file, or of the template text
+    itself (anything with a jinja `{{` or `{%` that is not a file)."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8"), str(path)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ChatTemplateError(f"--chat-template {value!r}: cannot read the file ({exc})") from exc
     if "{{" in value or "{%" in value:
         return value, "--chat-template"
-    path = Path(value)
-    if not path.is_file():
-        raise ChatTemplateError(f"--chat-template {value!r}: no such file, and not a template "
-                                "either (pass a path to a .jinja file or the template text)")
-    return path.read_text(encoding="utf-8"), str(path)
+    raise ChatTemplateError(f"--chat-template {value!r}: no such file, and not a template "
+                            "either (pass a path to a .jinja file or the template text)")
 
 
 def load_chat_template(model_type: str, checkpoint_template: str | Sequence | None, *,
@@ -240,7 +246,7 @@ def load_chat_template(model_type: str, checkpoint_template: str | Sequence | No
     else:
         raise ChatTemplateError(
             f"the {model_type or 'model'} checkpoint has no chat template: pass --chat-template "
-            f"FILE, or add {OVERRIDES_DIRNAME}/{model_type or '<model_type>'}.jinja")
+            f"FILE, or add metrale/{OVERRIDES_DIRNAME}/{model_type or '<model_type>'}.jinja")
     return ChatTemplate(source, special_tokens=special_tokens, origin=origin)
 
 

@@ -251,13 +251,13 @@ def test_override_replaces_the_checkpoint_template(tmp_path):
 
 
 def test_missing_template_says_what_to_do(tmp_path):
-    with pytest.raises(ChatTemplateError, match=r"--chat-template FILE, or add jinja-templates/qwen3"):
+    with pytest.raises(ChatTemplateError, match=r"--chat-template FILE, or add metrale/jinja-templates/qwen3"):
         load_chat_template("qwen3", None, override_dirs=[tmp_path])
     with pytest.raises(ChatTemplateError, match="no such file"):
         load_chat_template("qwen3", "x", explicit=str(tmp_path / "absent.jinja"))
 
 
 def test_overrides_are_found_next_to_the_package():
-    repo_overrides = REPO_ROOT / "jinja-templates"
+    repo_overrides = REPO_ROOT / "metrale" / "jinja-templates"
     assert repo_overrides in default_override_dirs()
     assert find_override("no_such_model_type") is None
