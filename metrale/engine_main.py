@@ -35,6 +35,7 @@ class EngineSpec:
     model_name: str | None = None
     journal_dir: str | None = None
     disable_template_overrides: bool = False
+    chat_template: str | None = None               # --chat-template: a file's path or the text
     frontend: dict = field(default_factory=dict)   # disable_thinking, tool parser, ...
     progress: bool = True
     load_format: str = "auto"                      # auto | dummy (random weights, benchmarks)
@@ -88,6 +89,7 @@ def build_server(spec: EngineSpec):
     try:
         template = load_chat_template(ckpt.model_type, ckpt.chat_template,
                                       special_tokens=tokenizer.special_tokens_map,
+                                      explicit=spec.chat_template,
                                       disable_overrides=spec.disable_template_overrides)
         chat_template = template.sources.get("default") or next(iter(template.sources.values()))
     except ChatTemplateError as e:
