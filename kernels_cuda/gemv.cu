@@ -8,10 +8,13 @@
 //
 // Entry points (extern "C"): gemv_t<T>_r<R>_<bf16|f16>, T in {1, 2, 4, 8} (rows of x the
 // kernel is compiled for; it runs nt <= T of them: the host picks the smallest T >= nt),
-// R in {2, 4} (output columns n per row group). Arguments:
+// R in {2, 4} (output columns n per row group); gemv_t<T>_r<R>_bf16_f32 store y in fp32 (the
+// lm head: logits rounded to bf16 tie exactly between tokens often enough that greedy output
+// then depends on the batch). Arguments:
 //   x        [nt, k]  row stride x_ld (elements), 16-byte aligned, x_ld % 8 == 0
 //   w        [n, k]   row stride w_ld (elements), 16-byte aligned, w_ld % 8 == 0
-//   y        [nt, n]  row stride y_ld (elements), any alignment; y = x @ w^T, or
+//   y        [nt, n]  row stride y_ld (elements), any alignment, x's type or fp32 (_f32);
+//                     y = x @ w^T, or
 //                     y += x @ w^T when accumulate != 0 (fp32 sum of the old y and the product,
 //                     rounded once: cublasGemmEx's beta = 1)
 //   nt (1..T), n, k (k % 8 == 0), ks_log2 (0, 1, 2: see the layout), accumulate
@@ -41,7 +44,7 @@
 // then waits for the previous kernel (x, y and the split-k scratch come after), so when the
 // launcher lets this grid start early the weight stream overlaps the previous kernel's tail.
 //
-// Bytes: n*k*2 (w, once) + nt*k*2 (x, from L2/L1) + nt*n*2 (y; x2 with accumulate).
+// Bytes: n*k*2 (w, once) + nt*k*2 (x, from L2/L1) + nt*n*2 (y, 4 with _f32; x2 with accumulate).
 // FLOPs: 2*nt*n*k. Registers (sm_90): 72..192, no spills (tests/test_kernels_compile.py).
 // Reference: cublasGemmEx (CUBLAS_COMPUTE_32F, op_T(w) @ x, column-major view), which the
 // autotuner checks every candidate against; tests/test_cuda_gemv.py checks against a cupy fp32
@@ -71,6 +74,8 @@ __device__ __forceinline__ float load_f(const __nv_bfloat16* p) { return __bfloa
 __device__ __forceinline__ float load_f(const __half* p) { return __half2float(*p); }
 __device__ __forceinline__ void store_f(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 __device__ __forceinline__ void store_f(__half* p, float v) { *p = __float2half_rn(v); }
+__device__ __forceinline__ float load_f(const float* p) { return *p; }
+__device__ __forceinline__ void store_f(float* p, float v) { *p = v; }
 
 // 16 bytes, zeros when !pred (volatile, predicated: common.cuh): w through the read-only path
 // (no kernel writes it; kept out of L1), x coherent (the previous kernel may still write it
@@ -92,9 +97,9 @@ __device__ __forceinline__ float dot8(const uint4& a, const uint4& b, float acc)
     return acc;
 }
 
-template <int T, int R, typename E>
+template <int T, int R, typename E, typename O>
 __device__ __forceinline__ void gemv(const E* x, long long x_ld, const E* w,
-                                     long long w_ld, E* y, long long y_ld, int nt, int n, int k,
+                                     long long w_ld, O* y, long long y_ld, int nt, int n, int k,
                                      int ks_log2, int accumulate) {
     static_assert(T * R <= 32, "one output per lane");
     __shared__ float red[GEMV_WARPS][T * R];
@@ -172,27 +177,29 @@ __device__ __forceinline__ void gemv(const E* x, long long x_ld, const E* w,
     }
     const int t = lane / R, r = lane % R;
     if (lane < T * R && t < nt && n0 + r < n) {
-        E* dst = y + static_cast<long long>(t) * y_ld + n0 + r;
+        O* dst = y + static_cast<long long>(t) * y_ld + n0 + r;
         store_f(dst, accumulate ? mine + load_f(dst) : mine);
     }
 }
 
 }  // namespace
 
-#define MT_GEMV(T, R, SUF, E)                                                                           \
+#define MT_GEMV(T, R, SUF, E, O)                                                                        \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)                                    \
-        gemv_t##T##_r##R##_##SUF(const E* x, long long x_ld, const E* w,     \
-                                 long long w_ld, E* y, long long y_ld, int nt, int n, int k, \
+        gemv_t##T##_r##R##_##SUF(const E* x, long long x_ld, const E* w,                               \
+                                 long long w_ld, O* y, long long y_ld, int nt, int n, int k,           \
                                  int ks_log2, int accumulate) {                                         \
-        gemv<T, R, E>(x, x_ld, w, w_ld, y, y_ld, nt, n, k, ks_log2, accumulate);                        \
+        gemv<T, R, E, O>(x, x_ld, w, w_ld, y, y_ld, nt, n, k, ks_log2, accumulate);                     \
         mt::pdl_exit();                                                                                 \
     }
 
-#define MT_GEMV_T(T)                      \
-    MT_GEMV(T, 2, bf16, __nv_bfloat16)    \
-    MT_GEMV(T, 4, bf16, __nv_bfloat16)    \
-    MT_GEMV(T, 2, f16, __half)            \
-    MT_GEMV(T, 4, f16, __half)
+#define MT_GEMV_T(T)                                   \
+    MT_GEMV(T, 2, bf16, __nv_bfloat16, __nv_bfloat16)  \
+    MT_GEMV(T, 4, bf16, __nv_bfloat16, __nv_bfloat16)  \
+    MT_GEMV(T, 2, f16, __half, __half)                 \
+    MT_GEMV(T, 4, f16, __half, __half)                 \
+    MT_GEMV(T, 2, bf16_f32, __nv_bfloat16, float)      \
+    MT_GEMV(T, 4, bf16_f32, __nv_bfloat16, float)
 
 MT_GEMV_T(1)
 MT_GEMV_T(2)

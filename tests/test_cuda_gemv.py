@@ -160,3 +160,61 @@ def test_smollm2_plans_at_t1(cp, capsys):
                     f"(gemmex {1e6 * (p.gemmex_s or 0):7.2f} us, {p.candidates} timed)")
     with capsys.disabled():
         print("\nSmolLM2-135M decode GEMMs at t=1, tuned plans:\n" + "\n".join(rows))
+
+
+@pytest.mark.parametrize("t", [1, 2, 3, 8])
+def test_gemv_fp32_output_matches_fp32_matmul(cp, ops, t):
+    """gemv_t*_bf16_f32 (the lm head's logits): bf16 inputs, fp32 y, never rounded to bf16:
+    within fp32 accumulation-order error of a cupy fp32 matmul (1e-5 relative), for every config,
+    n not a multiple of R, a strided y, accumulate."""
+    gemv = lt.OwnGemv(ops.kernel)
+    stream = cp.cuda.get_current_stream()
+    for n, k in ((7, 64), (3072, 576), (49152, 576)):
+        cp.random.seed(31 * t + n + k)
+        w = rnd(cp, (n, k), BF16, k ** -0.5)
+        x = rnd(cp, (t, k), BF16)
+        ref = x.astype(cp.float32) @ w.astype(cp.float32).T
+        assert lt.OwnGemv.applies(t, k, k, k, lt.CUDA_R_16BF, 256, 256, lt.CUDA_R_32F)
+        assert not lt.OwnGemv.applies(t, k, k, k, lt.CUDA_R_16F, 256, 256, lt.CUDA_R_32F)
+        for cfg in lt.OwnGemv.configs(k):
+            what = f"t={t} n={n} k={k} {lt.OwnGemv.describe(cfg)}"
+            ybig = cp.full((t, n + 3), cp.nan, dtype=cp.float32)
+            y = ybig[:, :n]
+            gemv.launch(cfg, stream.ptr, x.data.ptr, k, w.data.ptr, k, y.data.ptr, n + 3, t, n, k,
+                        lt.CUDA_R_16BF, False, lt.CUDA_R_32F)
+            assert rel_err(cp, y, ref) <= 1e-5, what
+            assert bool(cp.isnan(ybig[:, n:]).all()), f"{what}: wrote past n"
+            y0 = cp.random.standard_normal((t, n), dtype=cp.float32)
+            y[...] = y0
+            gemv.launch(cfg, stream.ptr, x.data.ptr, k, w.data.ptr, k, y.data.ptr, n + 3, t, n, k,
+                        lt.CUDA_R_16BF, True, lt.CUDA_R_32F)
+            assert rel_err(cp, y, ref + y0) <= 1e-5, f"{what} accumulate"
+
+
+@pytest.mark.parametrize("t", [1, 4, 16, 64, 200])
+def test_lm_head_returns_fp32_logits_with_ties_intact(cp, t):
+    """CudaOps.lm_head: fp32 logits (tuned path at decode sizes, cuBLAS past them) equal to an
+    fp32 matmul of the bf16 operands within 1e-5 relative on the first (tuning) call and on the
+    tuned plan; and the planted exact tie of two rows of w stays a tie the sampler breaks to the lower id."""
+    from metrale.backends.cuda import CudaOps
+    from metrale.backends.cuda_sampling import GpuSampler
+    from metrale.sampling import SamplingParams
+
+    ops = CudaOps()
+    n, k = 49152, 576
+    cp.random.seed(t)
+    w = rnd(cp, (n, k), BF16, k ** -0.5)
+    w[777] = w[4242]                                 # two tokens with identical logits
+    x = rnd(cp, (t, k), BF16)
+    w[4242] = x[0] * 4                               # ... and the largest ones for row 0
+    w[777] = w[4242]
+    ref = x.astype(cp.float32) @ w.astype(cp.float32).T
+    y = ops.lm_head(x, w)                            # first call tunes
+    assert y.dtype == cp.float32 and y.shape == (t, n)
+    assert rel_err(cp, y, ref) <= 1e-5
+    y2 = ops.lm_head(x, w)                           # the tuned plan
+    assert rel_err(cp, y2, ref) <= 1e-5
+    assert float(y2[0, 777]) == float(y2[0, 4242])
+    sampler = GpuSampler(ops, vocab_size=n, max_batch=max(t, 1))
+    toks = sampler.sample(y2, [SamplingParams(temperature=0.0)] * t, [0] * t)
+    assert int(toks[0]) == 777

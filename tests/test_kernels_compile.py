@@ -99,7 +99,7 @@ def test_backend_kernel_names_exist(name, tmp_path):
 # (griddepcontrol.wait) before it touches memory; the only accesses allowed ahead of the wait are
 # read-only-path loads of weights, and only in the kernels listed here (their header says why).
 _PDL_EXEMPT = {"launch_selftest"}                      # launched plainly (metrale/backends/cuda.py)
-_PRE_WAIT_WEIGHT_LOADS = re.compile(r"^gemv_t\d+_r\d+_(bf16|f16)$")   # gemv.cu: first weight round
+_PRE_WAIT_WEIGHT_LOADS = re.compile(r"^gemv_t\d+_r\d+_(bf16|f16|bf16_f32)$")   # gemv.cu: first weight round
 _MEM = re.compile(r"\b(ld\.global|st\.global|atom\.|red\.|cp\.async|cp\.reduce|ld\.volatile|st\.volatile|"
                   r"ld\.relaxed|ld\.acquire|st\.release|tex\.|suld|sust|ld\.(?!param|shared|local|const)\w*)")
 

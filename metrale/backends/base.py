@@ -59,6 +59,11 @@ class Ops(Protocol):
     def linear(self, x: Array, w: Array, bias: Array | None = None) -> Array:
         """x @ w.T (+ bias): [T, in] x [out, in] -> [T, out], fp32 accumulation."""
 
+    def lm_head(self, x: Array, w: Array) -> Array:
+        """The logits: x @ w.T -> fp32 [T, V] whatever x's dtype (fp32 accumulation, no rounding
+        to bf16 on the way out: bf16 logits tie exactly between two tokens often enough that a
+        greedy answer then depended on the rest of the batch; ties left break to the lowest id)."""
+
     def linear_parts(self, x: Array, w: Array):
         """x @ w.T where the result goes straight into add_rms_norm (as its x): a backend may
         return it in a form only add_rms_norm reads (CudaOps: fp32 partials of a k-split GEMM);

@@ -197,6 +197,9 @@ class CpuOps:
     def linear_parts(self, x, w):
         return self.linear(x, w)   # nothing to defer on the CPU
 
+    def lm_head(self, x, w):
+        return _f32(x) @ _f32(w).T          # fp32 logits, never rounded to the model dtype
+
     # -- attention -------------------------------------------------------------------------
     def head_rms_norm(self, x, w, eps, offset):
         return self.rms_norm(x, w, eps, offset)

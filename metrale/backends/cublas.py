@@ -156,15 +156,17 @@ class Cublas:
 
     def gemm_rowmajor_xwT(self, stream_ptr: int, x_ptr: int, x_ld: int, w_ptr: int, w_ld: int,
                           y_ptr: int, y_ld: int, t: int, n_out: int, k: int, dtype_code: int,
-                          accumulate: bool = False) -> None:
+                          accumulate: bool = False, y_code: int | None = None) -> None:
         """y[t, n_out] (+)= x[t, k] @ w[n_out, k].T, row-major, leading dims in elements,
-        fp32 compute. `dtype_code` is CUDA_R_16BF / CUDA_R_16F / CUDA_R_32F for x, w and y."""
+        fp32 compute. `dtype_code` is CUDA_R_16BF / CUDA_R_16F / CUDA_R_32F for x and w, and
+        for y unless `y_code` names another (CUDA_R_32F: 16-bit inputs, fp32 output)."""
         self.bind(stream_ptr)
         foreign_launch()
         self._check(self.lib.cublasGemmEx(
             self.handle, CUBLAS_OP_T, CUBLAS_OP_N, n_out, t, k,
             self._p_one, w_ptr, dtype_code, w_ld, x_ptr, dtype_code, x_ld,
-            self._p_one if accumulate else self._p_zero, y_ptr, dtype_code, y_ld,
+            self._p_one if accumulate else self._p_zero, y_ptr,
+            dtype_code if y_code is None else y_code, y_ld,
             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT), "cublasGemmEx")
 
     def close(self) -> None:

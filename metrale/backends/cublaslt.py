@@ -235,11 +235,14 @@ class OwnGemv:
         self._streams: dict = {}
 
     @staticmethod
-    def applies(t: int, k: int, x_ld: int, w_ld: int, dtype_code: int, x_align: int, w_align: int) -> bool:
+    def applies(t: int, k: int, x_ld: int, w_ld: int, dtype_code: int, x_align: int, w_align: int,
+                y_code: int | None = None) -> bool:
         """The kernel's requirements: 16-byte vectors of x and w rows (k, leading dims multiples of
-        8 elements, 16-byte aligned pointers), 16-bit types, 1..GEMV_MAX_T rows."""
-        return (1 <= t <= GEMV_MAX_T and dtype_code in (CUDA_R_16BF, CUDA_R_16F) and k > 0 and k % 8 == 0
-                and x_ld % 8 == 0 and w_ld % 8 == 0 and x_align >= 16 and w_align >= 16)
+        8 elements, 16-byte aligned pointers), 16-bit types, 1..GEMV_MAX_T rows; y of the inputs'
+        type, or fp32 from bf16 (the lm head's logits)."""
+        y_ok = y_code in (None, dtype_code) or (dtype_code == CUDA_R_16BF and y_code == CUDA_R_32F)
+        return (1 <= t <= GEMV_MAX_T and dtype_code in (CUDA_R_16BF, CUDA_R_16F) and y_ok and k > 0
+                and k % 8 == 0 and x_ld % 8 == 0 and w_ld % 8 == 0 and x_align >= 16 and w_align >= 16)
 
     @staticmethod
     def configs(k: int) -> list[tuple[int, int]]:
@@ -261,15 +264,16 @@ class OwnGemv:
         return s
 
     def launch(self, cfg, stream_ptr: int, x_ptr: int, x_ld: int, w_ptr: int, w_ld: int, y_ptr: int, y_ld: int,
-               t: int, n_out: int, k: int, dtype_code: int, accumulate: bool) -> None:
+               t: int, n_out: int, k: int, dtype_code: int, accumulate: bool, y_code: int | None = None) -> None:
         import numpy as np
 
         r, ks = cfg
-        fkey = (t, r, dtype_code)
+        f32_out = y_code == CUDA_R_32F and dtype_code != CUDA_R_32F
+        fkey = (t, r, dtype_code, f32_out)
         fn = self._fns.get(fkey)
         if fn is None:
             tv = next(v for v in GEMV_T if v >= t)
-            suf = "bf16" if dtype_code == CUDA_R_16BF else "f16"
+            suf = ("bf16" if dtype_code == CUDA_R_16BF else "f16") + ("_f32" if f32_out else "")
             fn = self._fns[fkey] = self._kernel("gemv", f"gemv_t{tv}_r{r}_{suf}")
         groups = -(-n_out // r)
         per_cta = GEMV_WARPS >> ks
@@ -372,7 +376,7 @@ class LtGemm:
         t, n_out, k, x_ld, w_ld, y_ld, dtype = key[:7]
         return (self._layout(dtype, k, n_out, w_ld),     # A = w, column-major k x n_out, op T
                 self._layout(dtype, k, t, x_ld),         # B = x, column-major k x t
-                self._layout(dtype, n_out, t, y_ld))     # C = D = y, column-major n_out x t
+                self._layout(key[11], n_out, t, y_ld))   # C = D = y, column-major n_out x t
 
     def _cfg(self, algo: MatmulAlgo, attr: int, ctype=ctypes.c_int32):
         v, written = ctype(), ctypes.c_size_t()
@@ -490,34 +494,37 @@ class LtGemm:
     # -- the GEMM ----------------------------------------------------------------------------
     def gemm_rowmajor_xwT(self, stream_ptr: int, x_ptr: int, x_ld: int, w_ptr: int, w_ld: int,
                           y_ptr: int, y_ld: int, t: int, n_out: int, k: int, dtype_code: int,
-                          accumulate: bool = False) -> None:
+                          accumulate: bool = False, y_code: int | None = None) -> None:
         """y[t, n_out] (+)= x[t, k] @ w[n_out, k].T, row-major, leading dims in elements, fp32
-        compute (as Cublas.gemm_rowmajor_xwT). The first call of a decode-sized key outside
-        stream capture tunes it (synchronising the stream once); y holds the result either way."""
+        compute (as Cublas.gemm_rowmajor_xwT; `y_code` CUDA_R_32F: fp32 y from 16-bit inputs).
+        The first call of a decode-sized key outside stream capture tunes it (synchronising the
+        stream once); y holds the result either way."""
+        y_code = dtype_code if y_code is None else y_code
         if self.mode == "tune" and (t > TUNE_MAX_T or (n_out * k < TUNE_MIN_WEIGHTS and not (
                 self.own_gemv is not None and t <= GEMV_MAX_T
-                and OwnGemv.applies(t, k, x_ld, w_ld, dtype_code, _align(x_ptr), _align(w_ptr))))):
+                and OwnGemv.applies(t, k, x_ld, w_ld, dtype_code, _align(x_ptr), _align(w_ptr), y_code)))):
             self.last_plan = GEMMEX    # prefill / tiny (no own kernel): as before, no key, no cache entry
             self.blas.gemm_rowmajor_xwT(stream_ptr, x_ptr, x_ld, w_ptr, w_ld, y_ptr, y_ld, t, n_out, k, dtype_code,
-                                        accumulate)
+                                        accumulate, y_code)
             return
         key = (t, n_out, k, x_ld, w_ld, y_ld, dtype_code, bool(accumulate), _align(x_ptr), _align(w_ptr),
-               _align(y_ptr))
+               _align(y_ptr), y_code)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plan_for(key, stream_ptr, x_ptr, w_ptr, y_ptr)
         self.last_plan = plan
-        self._run(plan, stream_ptr, x_ptr, x_ld, w_ptr, w_ld, y_ptr, y_ld, t, n_out, k, dtype_code, accumulate)
+        self._run(plan, stream_ptr, x_ptr, x_ld, w_ptr, w_ld, y_ptr, y_ld, t, n_out, k, dtype_code, accumulate,
+                  y_code)
 
     def _run(self, plan: Plan, stream_ptr, x_ptr, x_ld, w_ptr, w_ld, y_ptr, y_ld, t, n_out, k, dtype_code,
-             accumulate) -> None:
+             accumulate, y_code=None) -> None:
         if plan.own is not None:
             self.own_gemv.launch(plan.own, stream_ptr, x_ptr, x_ld, w_ptr, w_ld, y_ptr, y_ld, t, n_out, k, dtype_code,
-                                 accumulate)
+                                 accumulate, y_code)
             return
         if plan.algo is None:
             self.blas.gemm_rowmajor_xwT(stream_ptr, x_ptr, x_ld, w_ptr, w_ld, y_ptr, y_ld, t, n_out, k, dtype_code,
-                                        accumulate)
+                                        accumulate, y_code)
             return
         a_lay, b_lay, c_lay = plan.layouts
         foreign_launch()
@@ -637,7 +644,8 @@ class LtGemm:
         if _capturing(stream_ptr):
             return None
         base = next((p for pk, p in self._plans.items()
-                     if pk[:8] == (t, n_out, k, x_ld, w_ld, n_out, dtype_code, False) and pk[8:10] == key[6:8]), None)
+                     if pk[:8] == (t, n_out, k, x_ld, w_ld, n_out, dtype_code, False) and pk[8:10] == key[6:8]
+                     and pk[11] == dtype_code), None)
         if base is None or not base.tuned or base.time_s is None:
             return None                      # the plain plan is tuned by the key's first linear()
         plan = self._tune_ksplit(key, stream_ptr, x_ptr, w_ptr, base)
@@ -768,7 +776,7 @@ class LtGemm:
 
     def _own_applies(self, key) -> bool:
         t, _n_out, k, x_ld, w_ld, _y_ld, code = key[:7]
-        return self.own_gemv is not None and OwnGemv.applies(t, k, x_ld, w_ld, code, key[8], key[9])
+        return self.own_gemv is not None and OwnGemv.applies(t, k, x_ld, w_ld, code, key[8], key[9], key[11])
 
     # -- tuning ------------------------------------------------------------------------------
     def _tune(self, key, stream_ptr: int, x_ptr: int, w_ptr: int, y_ptr: int) -> Plan:
@@ -813,8 +821,10 @@ class LtGemm:
         import cupy
 
         t, n_out, k, x_ld, w_ld, y_ld, code, accumulate = key[:8]
-        item = _ITEMSIZE[code]
-        dt = _np_dtype(code)
+        y_code = key[11]
+        item = _ITEMSIZE[y_code]        # y's element (x's: x_item)
+        x_item = _ITEMSIZE[code]
+        dt = _np_dtype(y_code)
         # scratch y at y's offset modulo 256 (same alignment), zeroed (timing accumulates into it)
         span = (t - 1) * y_ld + n_out
         pad = (y_ptr % 256) // item
@@ -826,10 +836,11 @@ class LtGemm:
         ref = cupy.empty((len(rows), n_out), dtype=dt)
         cupy.cuda.get_current_stream().synchronize()   # the zero fill is done before ts writes
         r0 = min(t, CHECK_ROWS)
-        self.blas.gemm_rowmajor_xwT(ts.ptr, x_ptr, x_ld, w_ptr, w_ld, ref.data.ptr, n_out, r0, n_out, k, code)
+        self.blas.gemm_rowmajor_xwT(ts.ptr, x_ptr, x_ld, w_ptr, w_ld, ref.data.ptr, n_out, r0, n_out, k, code,
+                                    False, y_code)
         if t > CHECK_ROWS:
-            self.blas.gemm_rowmajor_xwT(ts.ptr, x_ptr + (t - 1) * x_ld * item, x_ld, w_ptr, w_ld,
-                                        ref.data.ptr + r0 * n_out * item, n_out, 1, n_out, k, code)
+            self.blas.gemm_rowmajor_xwT(ts.ptr, x_ptr + (t - 1) * x_ld * x_item, x_ld, w_ptr, w_ld,
+                                        ref.data.ptr + r0 * n_out * item, n_out, 1, n_out, k, code, False, y_code)
         ts.synchronize()
         ref32 = ref.astype(cupy.float32)
         ref_norm = float(cupy.sqrt((ref32 * ref32).sum()))   # a sync
@@ -843,7 +854,7 @@ class LtGemm:
 
         def call(plan: Plan, beta_one: bool):
             def fn():
-                self._run(plan, ts.ptr, x_ptr, x_ld, w_ptr, w_ld, s_ptr, y_ld, t, n_out, k, code, beta_one)
+                self._run(plan, ts.ptr, x_ptr, x_ld, w_ptr, w_ld, s_ptr, y_ld, t, n_out, k, code, beta_one, y_code)
             return fn
 
         # cublasGemmEx: the baseline, and the calibration of calls per timing graph

@@ -523,13 +523,21 @@ class CudaOps:
         blas.run_ksplit(plan, self.stream_ptr, x2.data.ptr, w.data.ptr, parts.data.ptr)
         return SplitK(parts, (*x.shape[:-1], n_out), x.dtype)
 
-    def linear(self, x, w, bias=None):
-        """y = x @ w.T (+ bias) via cublasGemmEx, fp32 compute, output in x's dtype."""
+    def lm_head(self, x, w):
+        return self.linear(x, w, out_dtype=F32)
+
+    def linear(self, x, w, bias=None, out_dtype=None):
+        """y = x @ w.T (+ bias) via cuBLAS(Lt) or our GEMVs, fp32 compute, output in x's dtype
+        (or fp32 with out_dtype=F32: the lm head)."""
         if w.dtype != x.dtype:
             raise TypeError(f"linear: x is {x.dtype} but w is {w.dtype}; convert one with ops.asarray")
         code = self._GEMM_TYPES.get(np.dtype(x.dtype))
         if code is None:
             raise TypeError(f"linear supports bfloat16, float16 and float32, got {x.dtype}")
+        y_dtype = np.dtype(x.dtype if out_dtype is None else out_dtype)
+        y_code = self._GEMM_TYPES.get(y_dtype)
+        if y_code is None or (y_dtype != x.dtype and y_dtype != F32):
+            raise TypeError(f"linear: output {y_dtype} from {x.dtype} inputs (x's dtype or float32 only)")
         lead = x.shape[:-1]
         x2, xs = self._rows(x)
         t, k = x2.shape
@@ -539,10 +547,10 @@ class CudaOps:
         if _estride(w, 1) != 1 and k > 1:
             w = self.cp.ascontiguousarray(w)
         wld = _estride(w, 0) if n_out > 1 else k
-        y = self._new((t, n_out), x.dtype)
+        y = self._new((t, n_out), y_dtype)
         if t and n_out:
             self._blas().gemm_rowmajor_xwT(self.stream_ptr, x2.data.ptr, max(xs, k), w.data.ptr, max(wld, k),
-                                           y.data.ptr, n_out, t, n_out, k, code)
+                                           y.data.ptr, n_out, t, n_out, k, code, False, y_code)
             if bias is not None:
                 b = bias if bias.dtype == y.dtype else bias.astype(y.dtype)
                 self.kernel("elementwise", f"bias_add_{self._suffix(y)}")(

@@ -248,7 +248,7 @@ class DecoderLayer:
 class CausalLM:
     """Embedding -> decoder layers -> final norm -> lm_head, over one ForwardBatch.
 
-    forward(batch, caches) -> logits [len(batch.logits_indices), vocab] (backend array; fp32
+    forward(batch, caches) -> fp32 logits [len(batch.logits_indices), vocab] (a backend array;
     numpy on the CPU backend). `batch` carries its index arrays where the backend wants them
     (ops.upload_batch)."""
 
@@ -268,7 +268,7 @@ class CausalLM:
         for layer in self.layers:
             x, residual = layer(x, residual, batch, caches)
         h, _ = ops.add_rms_norm(x, residual, self.final_norm, self.norm.eps, self.norm.offset)
-        return ops.linear(ops.embedding(batch.logits_indices, h), self.lm_head)
+        return ops.lm_head(ops.embedding(batch.logits_indices, h), self.lm_head)
 
 
 def load_embeddings(w: Weights, config: dict, prefix: str) -> tuple:
