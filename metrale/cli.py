@@ -398,30 +398,68 @@ def cmd_frontend(args) -> int:
 
 
 def cmd_events(args) -> int:
-    from metrale.engine import EngineAddresses, default_journal_dir
-    from metrale.serve import ADDRESSES_FILE
+    from metrale.engine import default_journal_dir
+    from metrale.events import read_events
 
     journal = Path(args.event_log or default_journal_dir())
-    address = None
-    if args.engine:
-        address = EngineAddresses.tcp(*_parse_tcp(args.engine, "--engine")).events
-    elif (journal / ADDRESSES_FILE).is_file():
-        address = json.loads((journal / ADDRESSES_FILE).read_text())["events"]
-    sub = None if args.no_follow or address is None else _subscribe(address)
+    sub = None if args.no_follow else _subscribe(_live_engine(args, journal).events)
     last = 0
     if args.from_seq is not None:
         if not journal.is_dir():
             raise CLIError(f"--from-seq needs the journal, and {journal} does not exist "
                            "(pass --event-log PATH)")
-        for event in read_journal(journal, args.from_seq):
+        for event in read_events(journal, args.from_seq, on_damage=_report_damage):
             _print_event(event)
             last = event["seq"]
+        if not last:
+            print(f"met events: the journal {journal} holds no events from seq "
+                  f"{args.from_seq}", file=sys.stderr)
     if args.no_follow:
         return 0
-    if sub is None:
-        raise CLIError(f"no engine to follow: {journal / ADDRESSES_FILE} does not exist "
-                       "(pass --engine tcp://HOST:PORT, or --no-follow)")
     return _tail(sub, last)
+
+
+def _live_engine(args, journal: Path):
+    """The addresses of the engine to follow (--engine, else the journal's engine.json), once
+    it answers a health request; CLIError naming what is missing otherwise."""
+    from metrale.engine import EngineAddresses
+    from metrale.events import ADDRESSES_FILE
+
+    if args.engine:
+        addresses, origin = EngineAddresses.tcp(*_parse_tcp(args.engine, "--engine")), args.engine
+    else:
+        path = journal / ADDRESSES_FILE
+        if not path.is_file():
+            raise CLIError(f"no engine to follow: {path} does not exist (no engine holds "
+                           f"{journal}; pass --event-log PATH, --engine tcp://HOST:PORT, or "
+                           "--no-follow)")
+        found = json.loads(path.read_text())
+        addresses = EngineAddresses(*(found[k] for k in ("submit", "output", "control",
+                                                         "events")))
+        origin = f"{path} (pid {found.get('pid')})"
+    if not _engine_answers(addresses.control):
+        raise CLIError(f"no engine answers at {addresses.control}, from {origin}: is the server "
+                       "running? (pass --no-follow to print the journal only)")
+    return addresses
+
+
+def _engine_answers(control: str, timeout_s: float = 3.0) -> bool:
+    import zmq
+
+    from metrale import wire
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(control)
+        sock.send_multipart(wire.encode(wire.Control("health")))
+        return bool(sock.poll(int(timeout_s * 1000)))
+    finally:
+        sock.close(0)
+
+
+def _report_damage(damage) -> None:
+    print(f"met events: skipped a corrupt record: {damage.describe()}", file=sys.stderr)
 
 
 def _subscribe(address: str):
@@ -453,24 +491,6 @@ def _tail(sub, last: int) -> int:
 def _print_event(event: dict) -> None:
     sys.stdout.write(json.dumps(event, separators=(",", ":")) + "\n")
     sys.stdout.flush()
-
-
-def read_journal(directory: Path, from_seq: int):
-    """The journal's events with seq >= from_seq, read-only: a torn tail (the engine is writing
-    it right now) ends the read and is left alone."""
-    from metrale.events import _HEADER, Journal
-
-    import orjson
-
-    for path in sorted(directory.glob("journal-*.log")):
-        data = path.read_bytes()
-        off = 0
-        while off < len(data) and not Journal._bad_record(data, off):
-            length, _ = _HEADER.unpack_from(data, off)
-            event = orjson.loads(data[off + 8: off + 8 + length])
-            off += 8 + length
-            if event["seq"] >= from_seq:
-                yield event
 
 
 def cmd_dump_serve_options(parser: argparse.ArgumentParser) -> int:

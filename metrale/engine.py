@@ -11,10 +11,18 @@ It owns the EngineCore, the event journal, the Prometheus registry and the rate-
     PUB     events   every journal event, topic = event type
 
 A frontend that stops sending heartbeats (killed, crashed) has its requests aborted within one
-step, so no slot is held for a client nobody is listening to.
+step, so no slot is held for a client nobody is listening to. No message can end the loop: one
+that fails (a bug, an unserialisable reply) is answered with an error, logged, and the loop
+serves on.
+
+With a journal, the engine holds its folder (metrale.events.Journal locks it) and writes its
+socket addresses there (`engine.json`, for `met events`) once its sockets are bound. Events go
+out on the events socket once they are on disk (`_commit_events`), so a seq a subscriber saw is
+never reused after a crash.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
@@ -27,7 +35,7 @@ import zmq
 
 from metrale import wire
 from metrale.core import EngineCore, RequestOutput
-from metrale.events import Journal
+from metrale.events import ADDRESSES_FILE, Journal
 from metrale.metrics import EngineMetrics
 from metrale.ratelimit import RateLimiter
 from metrale.recovery import abort_unfinished
@@ -71,13 +79,14 @@ class _Live:
 
 
 class EngineServer:
-    def __init__(self, core: EngineCore, model_info: dict, addresses: EngineAddresses,
-                 journal_dir: str | None):
+    def __init__(self, core: EngineCore, model_info: wire.ModelInfo, addresses: EngineAddresses,
+                 journal: Journal | None):
         self.core = core
         self.model_info = model_info
         self.addresses = addresses
-        self.journal = Journal(journal_dir) if journal_dir else None
-        self.metrics = EngineMetrics(model_info.get("name", ""))
+        self.journal = journal
+        self._uncommitted: list[dict] = []      # journalled, not yet flushed and published
+        self.metrics = EngineMetrics(model_info.name)
         self.ratelimit = RateLimiter.from_levers()
         self.live: dict[str, _Live] = {}
         self.frontends: dict[str, float] = {}
@@ -103,27 +112,45 @@ class EngineServer:
         self.poller = zmq.Poller()
         self.poller.register(self.pull, zmq.POLLIN)
         self.poller.register(self.control, zmq.POLLIN)
+        if self.journal:
+            self._advertise()
+
+    def _advertise(self) -> None:
+        """engine.json in the journal folder: this engine's addresses, for `met events`."""
+        path = self.journal.dir / ADDRESSES_FILE
+        tmp = path.with_name(f".{ADDRESSES_FILE}.{os.getpid()}")
+        tmp.write_text(json.dumps({**self.addresses.to_dict(), "pid": os.getpid()}))
+        tmp.replace(path)
 
     def close(self) -> None:
         for s in (self.pull, self.out, self.control, self.events):
             s.close(0)
         if self.journal:
+            (self.journal.dir / ADDRESSES_FILE).unlink(missing_ok=True)   # ours: we hold the lock
             self.journal.close()
 
     # -- events -----------------------------------------------------------------------------
     def emit(self, event_type: str, **fields) -> None:
+        """Journal the event (buffered); it is published by the next `_commit_events`."""
         if self.journal:
             event = self.journal.append(event_type, flush=False, **fields)
         else:
             event = {"seq": 0, "type": event_type, "ts": time.time(), **fields}
-        self.events.send_multipart([event_type.encode(), orjson.dumps(event)])
+        self._uncommitted.append(event)
+
+    def _commit_events(self) -> None:
+        """Flush the journal, then publish what is now on disk."""
+        if self.journal:
+            self.journal.flush()
+        events, self._uncommitted = self._uncommitted, []
+        for event in events:
+            self.events.send_multipart([event["type"].encode(), orjson.dumps(event)])
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
         if self.journal:
             abort_unfinished(self.journal, self.emit)   # what a killed predecessor left open
-        self.emit("ModelLoaded", model=self.model_info.get("name"),
-                  model_type=self.model_info.get("model_type"))
+        self.emit("ModelLoaded", model=self.model_info.name, model_type=self.model_info.model_type)
         while self.running:
             busy = self.core.has_unfinished()
             ready = dict(self.poller.poll(0 if busy else 50))
@@ -136,12 +163,10 @@ class EngineServer:
                 self._step()
             if not self.core.has_unfinished():
                 self._flush()            # no next step to overlap with
-            if self.journal:
-                self.journal.flush()
+            self._commit_events()
         self._flush()
-        self.emit("ModelReleased", model=self.model_info.get("name"))
-        if self.journal:
-            self.journal.flush()
+        self.emit("ModelReleased", model=self.model_info.name)
+        self._commit_events()
 
     def _step(self) -> None:
         """One engine step. Its outputs are published during the next step, once that step's
@@ -198,16 +223,35 @@ class EngineServer:
             except ValueError as e:
                 log.warning("dropped a malformed message: %s", e)
                 continue
-            if isinstance(msg, wire.Submit):
-                self._submit(msg)
-            elif isinstance(msg, wire.Abort):
-                self._abort(msg.request_id, msg.reason)
-            elif isinstance(msg, wire.Control) and msg.op == "heartbeat":
-                frontend_id = msg.args.get("frontend_id", "")
-                self.frontends[frontend_id] = time.monotonic()
-                # echo on the frontend's topic: its SUB socket is proven connected once one
-                # arrives (ZeroMQ drops what a PUB sends before a subscription reaches it)
-                self._send(frontend_id, [])
+            try:
+                self._handle_submitted(msg)
+            except Exception:
+                log.exception("a %s message failed; the engine serves on", type(msg).__name__)
+                self._fail_submitted(msg)
+
+    def _handle_submitted(self, msg) -> None:
+        if isinstance(msg, wire.Submit):
+            self._submit(msg)
+        elif isinstance(msg, wire.Abort):
+            self._abort(msg.request_id, msg.reason)
+        elif isinstance(msg, wire.Control) and msg.op == "heartbeat":
+            frontend_id = msg.args.get("frontend_id", "")
+            self.frontends[frontend_id] = time.monotonic()
+            # echo on the frontend's topic: its SUB socket is proven connected once one
+            # arrives (ZeroMQ drops what a PUB sends before a subscription reaches it)
+            self._send(frontend_id, [])
+
+    def _fail_submitted(self, msg) -> None:
+        """A Submit whose handling raised is refused with a 500 (and released if it got in)."""
+        if not isinstance(msg, wire.Submit):
+            return
+        try:
+            if self.live.pop(msg.request_id, None) is not None:
+                self.core.abort_request(msg.request_id)
+            self._refuse(msg, 500, "the engine failed to take this request in (an internal "
+                                   "error, logged by the engine); retry")
+        except Exception:
+            log.exception("could not refuse request %s", msg.request_id)
 
     def _submit(self, msg: wire.Submit) -> None:
         self.frontends[msg.frontend_id] = time.monotonic()
@@ -253,9 +297,12 @@ class EngineServer:
 
     # -- publishing -------------------------------------------------------------------------
     def _publish(self, outputs: list[RequestOutput], reason: str | None = None) -> None:
+        """A step's outputs to their frontends; in the journal the step's TokensEmitted comes
+        before the RequestFinished of any request it ended."""
         by_frontend: dict[str, list[wire.TokenDelta]] = {}
         now = time.monotonic()
         counts = {}
+        ended = []
         for out in outputs:
             live = self.live.get(out.request_id)
             if live is None:
@@ -267,16 +314,17 @@ class EngineServer:
                     self.metrics.first_token(now - live.arrival)
             by_frontend.setdefault(live.frontend_id, []).append(_delta(out))
             if out.finished:
-                self._finished(out, live, now, reason)
+                ended.append((out, live))
         if counts:
             self.metrics.generated(sum(counts.values()))    # one counter update per step
             self.emit("TokensEmitted", counts=counts)
+        for out, live in ended:
+            self._finished(out, live, now, reason)
         for frontend_id, deltas in by_frontend.items():
             self._send(frontend_id, deltas)
 
     def _send(self, frontend_id: str, deltas: list[wire.TokenDelta]) -> None:
-        if self.journal:    # what a frontend hears of is on disk first (one flush per step)
-            self.journal.flush()
+        self._commit_events()   # what a frontend hears of is on disk first (one flush per step)
         frames = wire.encode(wire.StepOutput(frontend_id, tuple(deltas)))
         self.out.send_multipart([frontend_id.encode(), *frames])
 
@@ -294,7 +342,7 @@ class EngineServer:
         else:
             self.emit("RequestFinished", **record)
         requests_log.info(orjson.dumps({
-            "model": self.model_info.get("name"), "request_id": out.request_id,
+            "model": self.model_info.name, "request_id": out.request_id,
             # when the engine took the request in, as a Unix time (µs): with the client's own
             # send time it separates the frontend's share of a TTFT from the engine's
             "arrival": round(time.time() - (now - live.arrival), 6),
@@ -311,18 +359,28 @@ class EngineServer:
                 ident, *frames = self.control.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            try:
-                msg = wire.decode(frames)
-                reply = self._control(msg)
-            except (ValueError, KeyError) as e:
-                reply = wire.ControlReply(False, {"error": str(e)})
-            self.control.send_multipart([ident, *wire.encode(reply)])
+            self.control.send_multipart([ident, *self._control_reply(frames)])
+
+    def _control_reply(self, frames: list[bytes]) -> list[bytes]:
+        """The encoded reply to one control request: an error reply when it is malformed or
+        answering it fails in any way (logged with the traceback)."""
+        try:
+            msg = wire.decode(frames)
+            if not isinstance(msg, wire.Control):
+                raise ValueError(f"not a control request: {type(msg).__name__}")
+            return wire.encode(self._control(msg))
+        except (ValueError, KeyError) as e:
+            return wire.encode(wire.ControlReply(False, {"error": str(e)}))
+        except Exception as e:
+            log.exception("control request failed; the engine serves on")
+            return wire.encode(wire.ControlReply(False, {
+                "error": f"the engine failed to answer ({type(e).__name__}; logged by the engine)"}))
 
     def _control(self, msg: wire.Control) -> wire.ControlReply:
         if msg.op == "health":
-            return wire.ControlReply(True, {"status": "ok", "model": self.model_info.get("name")})
+            return wire.ControlReply(True, {"status": "ok", "model": self.model_info.name})
         if msg.op == "model_info":
-            return wire.ControlReply(True, self.model_info)
+            return wire.ControlReply(True, self.model_info.to_dict())
         if msg.op == "stats":
             self.metrics.set_gauges(self.core)
             return wire.ControlReply(True, {"prometheus": self.metrics.render(),

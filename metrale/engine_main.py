@@ -4,8 +4,8 @@
 
 The spec (`EngineSpec.to_json`) names the model, the EngineConfig fields, the socket addresses,
 the journal folder and the settings frontends read from `model_info`. Everything a frontend needs
-to serve the model travels in `model_info` (the tokenizer.json CONTENT included), so frontends on
-other hosts need no model files.
+to serve the model travels in `model_info` (a wire.ModelInfo; the tokenizer.json CONTENT
+included), so frontends on other hosts need no model files.
 
 SIGTERM / SIGINT stop the loop after the current step; the journal is closed cleanly.
 """
@@ -73,7 +73,21 @@ class _ProgressTensors(Mapping):
 
 
 def build_server(spec: EngineSpec):
-    """Checkpoint -> EngineCore -> EngineServer (sockets bound, not yet running)."""
+    """Journal -> checkpoint -> EngineCore -> EngineServer (sockets bound, not yet running).
+    The journal folder is taken first: a second engine on it is refused before any load."""
+    from metrale.events import Journal
+
+    journal = Journal(spec.journal_dir) if spec.journal_dir else None
+    try:
+        return _build_server(spec, journal)
+    except BaseException:
+        if journal is not None:
+            journal.close()
+        raise
+
+
+def _build_server(spec: EngineSpec, journal):
+    from metrale import wire
     from metrale.chat import ChatTemplateError, load_chat_template
     from metrale.core import EngineCore
     from metrale.engine import EngineAddresses, EngineServer
@@ -112,23 +126,16 @@ def build_server(spec: EngineSpec):
     core.eos_token_ids = frozenset(tokenizer.eos_token_ids)
     with open(ckpt.tokenizer_json, encoding="utf-8") as f:
         tokenizer_json = f.read()
-    model_info = {
-        "name": ckpt.name,
-        "model_type": ckpt.model_type,
-        "max_seq_len": core.config.max_seq_len,
-        "max_num_seqs": core.config.max_num_seqs,
-        "vocab_size": ckpt.config.get("vocab_size"),
-        "tokenizer_json": tokenizer_json,
-        "tokenizer_config": {k: v for k, v in ckpt.tokenizer_config.items()
-                             if k != "chat_template"},
-        "generation_config": ckpt.generation_config,
-        "chat_template": chat_template,
-        "created": int(time.time()),
-        "sampling_defaults": engine_sampling_defaults(core.config),
-        "rate_limit_enabled": RateLimiter.from_levers().enabled,
-        "frontend": spec.frontend,
-    }
-    server = EngineServer(core, model_info, EngineAddresses(**spec.addresses), spec.journal_dir)
+    vocab_size = ckpt.config.get("vocab_size")
+    model_info = wire.ModelInfo.from_checkpoint_configs(
+        ckpt.tokenizer_config, ckpt.generation_config,
+        name=ckpt.name, model_type=ckpt.model_type, max_seq_len=core.config.max_seq_len,
+        max_num_seqs=core.config.max_num_seqs,
+        vocab_size=vocab_size if isinstance(vocab_size, int) else None,
+        tokenizer_json=tokenizer_json, chat_template=chat_template, created=int(time.time()),
+        sampling_defaults=engine_sampling_defaults(core.config),
+        rate_limit_enabled=RateLimiter.from_levers().enabled, frontend=spec.frontend)
+    server = EngineServer(core, model_info, EngineAddresses(**spec.addresses), journal)
     log.info("engine serving %s (%s) in %.1fs on %s", ckpt.name, ckpt.model_type,
              time.monotonic() - t0, spec.addresses["submit"])
     return server

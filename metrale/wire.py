@@ -11,17 +11,25 @@ Sockets (DESIGN.md section 2):
   frontend PUSH  -> engine PULL     Submit, Abort
   engine   PUB   -> frontend SUB    StepOutput (topic = frontend id: each frontend gets only its own)
   frontend DEALER <-> engine ROUTER Control request/reply (health, stats, model info, rate limits)
+                                    (model_info's data is a ModelInfo: typed, validated, JSON-safe)
   engine   PUB   -> anyone SUB      events (topic = event type), see metrale.events
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
 from typing import NamedTuple
 
 import numpy as np
 import orjson
 
+from metrale.sampling import GENERATION_CONFIG_FIELDS
+from metrale.tokenizer import NAMED_SPECIAL_TOKENS
+
 ENCODING = "metrale/1"
+log = logging.getLogger("metrale.wire")
 
 
 @dataclass(frozen=True)
@@ -71,6 +79,126 @@ class Control:
 class ControlReply:
     ok: bool
     data: dict = field(default_factory=dict)
+
+
+# -- model info -------------------------------------------------------------------------------
+SPECIAL_TOKEN_KEYS = NAMED_SPECIAL_TOKENS
+TOKENIZER_FLAG_KEYS = ("add_bos_token", "add_eos_token")
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+SAMPLING_KEYS = GENERATION_CONFIG_FIELDS
+_MAX_TOKEN_ID = 2**31 - 1        # token ids travel as int32 frames
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a frontend needs to serve the model (the control reply to `model_info`), so a
+    frontend on another host needs no model files. Built from validated fields only: the raw
+    tokenizer_config.json / generation_config.json of a checkpoint go through
+    `ModelInfo.from_checkpoint_configs`, which keeps the keys frontends read, with JSON-safe
+    values (a real checkpoint's `model_max_length` of 1e30 never reaches the wire)."""
+    name: str
+    model_type: str = ""
+    max_seq_len: int = 0
+    max_num_seqs: int = 0
+    vocab_size: int | None = None
+    tokenizer_json: str = ""
+    tokenizer_config: dict = field(default_factory=dict)   # SPECIAL_TOKEN_KEYS, TOKENIZER_FLAG_KEYS
+    generation_config: dict = field(default_factory=dict)  # TOKEN_ID_KEYS, SAMPLING_KEYS
+    chat_template: str | None = None
+    created: int = 0
+    sampling_defaults: dict = field(default_factory=dict)
+    rate_limit_enabled: bool = False
+    frontend: dict = field(default_factory=dict)   # disable_thinking, tool parser, ...
+
+    def __post_init__(self):
+        for name, kinds in (("name", str), ("model_type", str), ("max_seq_len", int),
+                            ("max_num_seqs", int), ("vocab_size", (int, type(None))),
+                            ("tokenizer_json", str),
+                            ("chat_template", (str, type(None))), ("created", int),
+                            ("rate_limit_enabled", bool), ("tokenizer_config", dict),
+                            ("generation_config", dict), ("sampling_defaults", dict),
+                            ("frontend", dict)):
+            value = getattr(self, name)
+            if not isinstance(value, kinds) or (kinds is int and isinstance(value, bool)):
+                raise ValueError(f"model_info.{name}: wrong type {type(value).__name__}")
+        if self.tokenizer_config != _tokenizer_settings(self.tokenizer_config, strict=True):
+            raise ValueError("model_info.tokenizer_config: only special tokens (strings) and "
+                             f"add_bos/eos_token flags, got {self.tokenizer_config!r}")
+        if self.generation_config != _generation_settings(self.generation_config, strict=True):
+            raise ValueError("model_info.generation_config: only token ids and finite sampling "
+                             f"numbers, got {self.generation_config!r}")
+        for name in ("sampling_defaults", "frontend"):
+            try:
+                orjson.dumps(getattr(self, name))
+            except TypeError as e:
+                raise ValueError(f"model_info.{name} is not JSON-safe: {e}") from None
+
+    @classmethod
+    def from_checkpoint_configs(cls, tokenizer_config: Mapping | None,
+                                generation_config: Mapping | None, **fields_) -> "ModelInfo":
+        """From a checkpoint's raw config dicts: the keys frontends read, the rest dropped
+        (what is dropped for being malformed is logged)."""
+        return cls(tokenizer_config=_tokenizer_settings(tokenizer_config or {}),
+                   generation_config=_generation_settings(generation_config or {}), **fields_)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "ModelInfo":
+        """ValueError on a malformed one; keys this side does not know are ignored (an engine
+        newer than its frontend)."""
+        if not isinstance(d, Mapping) or not isinstance(d.get("name"), str):
+            raise ValueError(f"model_info without a name: {d!r:.200}")
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def _tokenizer_settings(raw: Mapping, strict: bool = False) -> dict:
+    out = {}
+    for key in SPECIAL_TOKEN_KEYS:
+        value = raw.get(key)
+        if isinstance(value, Mapping) and not strict:
+            value = value.get("content")      # an AddedToken dict
+        if isinstance(value, str):
+            out[key] = value
+        elif value is not None:
+            _dropped("tokenizer_config", key, value, strict)
+    for key in TOKENIZER_FLAG_KEYS:
+        if isinstance(raw.get(key), bool):
+            out[key] = raw[key]
+        elif raw.get(key) is not None:
+            _dropped("tokenizer_config", key, raw[key], strict)
+    return out
+
+
+def _generation_settings(raw: Mapping, strict: bool = False) -> dict:
+    out = {}
+    for key in TOKEN_ID_KEYS:
+        value = raw.get(key)
+        if _is_token_id(value) or (isinstance(value, list) and value
+                                   and all(_is_token_id(v) for v in value)):
+            out[key] = value
+        elif value is not None:
+            _dropped("generation_config", key, value, strict)
+    for key in SAMPLING_KEYS:
+        value = raw.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and math.isfinite(value) and abs(value) < 2**53:
+            out[key] = value
+        elif value is not None:
+            _dropped("generation_config", key, value, strict)
+    return out
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_TOKEN_ID
+
+
+def _dropped(where: str, key: str, value, strict: bool) -> None:
+    if not strict:
+        log.warning("%s.json: ignoring %s = %.100r (not a value the server can use)",
+                    where, key, value)
 
 
 def _ids_frame(ids) -> bytes:

@@ -13,7 +13,7 @@ from metrale.models.loader import load_checkpoint
 def test_failed_step_fails_requests_in_flight_and_engine_serves_on(tmp_path):
     core = EngineCore(load_checkpoint(make_tiny("llama", tmp_path / "m")),
                       EngineConfig(max_seq_len=128, max_batch_size=4))
-    server = EngineServer(core, {"name": "tiny"}, EngineAddresses.ipc(str(tmp_path)), None)
+    server = EngineServer(core, wire.ModelInfo("tiny"), EngineAddresses.ipc(str(tmp_path)), None)
     ctx = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"fe")
@@ -51,4 +51,69 @@ def test_failed_step_fails_requests_in_flight_and_engine_serves_on(tmp_path):
         assert sum(len(d.token_ids) for d in deltas if d.request_id == "c") == 2
     finally:
         sub.close(0)
+        server.close()
+
+
+def test_no_control_request_or_submit_ends_the_loop(tmp_path):
+    """A control op that raises, a reply that cannot be serialised and a Submit whose handling
+    raises are each answered with an error; the loop then still answers health and serves."""
+    import threading
+
+    core = EngineCore(load_checkpoint(make_tiny("llama", tmp_path / "m")),
+                      EngineConfig(max_seq_len=128, max_batch_size=4))
+    server = EngineServer(core, wire.ModelInfo("tiny"), EngineAddresses.ipc(str(tmp_path)), None)
+    ctx = zmq.Context.instance()
+    dealer, push, sub = ctx.socket(zmq.DEALER), ctx.socket(zmq.PUSH), ctx.socket(zmq.SUB)
+    dealer.connect(server.addresses.control)
+    push.connect(server.addresses.submit)
+    sub.setsockopt(zmq.SUBSCRIBE, b"fe")
+    sub.connect(server.addresses.output)
+    loop = threading.Thread(target=server.run, daemon=True)
+    loop.start()
+
+    def control(op, **args):
+        dealer.send_multipart(wire.encode(wire.Control(op, args)))
+        assert dealer.poll(10_000), f"no answer to {op}: the engine loop is gone"
+        return wire.decode(dealer.recv_multipart())
+
+    def deltas_until_end(rid):
+        got = []
+        while not any(d.finish_reason for d in got):
+            assert sub.poll(10_000), f"nothing more for {rid}: {got}"
+            got += [d for d in wire.decode(sub.recv_multipart()[1:]).deltas
+                    if d.request_id == rid]
+        return got
+
+    def raising(*a, **k):
+        raise RuntimeError("injected fault")
+
+    try:
+        hello = wire.encode(wire.Control("heartbeat", {"frontend_id": "fe"}))
+        while True:          # subscribed once the engine's echo of a heartbeat comes back
+            push.send_multipart(hello)
+            if sub.poll(200):
+                sub.recv_multipart()
+                break
+        server.ratelimit.check = raising
+        reply = control("rate_limit", key="k", tokens=1)
+        assert not reply.ok and "RuntimeError" in reply.data["error"]
+        server.ratelimit.check = lambda key, tokens: {"limit_tokens": 10**30}   # not JSON-able
+        assert not control("rate_limit", key="k", tokens=1).ok
+        assert control("health").data["status"] == "ok"
+
+        real_add = core.add_request
+        core.add_request = raising
+        push.send_multipart(wire.encode(wire.Submit("bad", "fe", (1, 2), {"max_tokens": 2})))
+        [refused] = deltas_until_end("bad")
+        assert refused.error_status == 500 and refused.finish_reason == "error"
+        core.add_request = real_add
+        push.send_multipart(wire.encode(wire.Submit("good", "fe", (1, 2), {
+            "max_tokens": 3, "temperature": 0, "ignore_eos": True})))
+        assert sum(len(d.token_ids) for d in deltas_until_end("good")) == 3
+        assert control("health").ok
+    finally:
+        server.running = False
+        loop.join(10)
+        for s in (dealer, push, sub):
+            s.close(0)
         server.close()

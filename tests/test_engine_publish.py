@@ -14,6 +14,7 @@ from metrale import wire
 from metrale.config import EngineConfig
 from metrale.core import EngineCore
 from metrale.engine import EngineAddresses, EngineServer
+from metrale.events import Journal, read_events
 from metrale.models.loader import load_checkpoint
 from tiny_models import make_tiny
 
@@ -22,7 +23,8 @@ from tiny_models import make_tiny
 def engine(tmp_path):
     core = EngineCore(load_checkpoint(make_tiny("llama", tmp_path / "m")),
                       EngineConfig(max_seq_len=256, max_batch_size=4, request_timeout=0))
-    server = EngineServer(core, {"name": "tiny"}, EngineAddresses.ipc(str(tmp_path)), None)
+    server = EngineServer(core, wire.ModelInfo("tiny"), EngineAddresses.ipc(str(tmp_path)),
+                          Journal(tmp_path / "journal"))
     ctx = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"fe")
@@ -108,3 +110,19 @@ def test_abort_mid_stream_ends_it_and_others_go_on(engine):
     assert reason == "abort" and aborted[0] <= len(tokens) < 200
     tokens, reason = check_stream(streams["other"])
     assert (len(tokens), reason) == (40, "length")
+
+
+def test_a_requests_tokens_are_journalled_before_its_end(engine, tmp_path):
+    push, sub = engine
+    lengths = {"a": 1, "b": 6, "c": 11}
+    for i, (rid, n) in enumerate(lengths.items()):
+        submit(push, rid, [7 + i, 9, 11], n)
+    collect(sub, {}, lambda s: ended(s, lengths))
+    events = list(read_events(tmp_path / "journal"))   # flushed before the deltas went out
+    for rid, n in lengths.items():
+        [end] = [i for i, e in enumerate(events)
+                 if e["type"] == "RequestFinished" and e["request_id"] == rid]
+        emitted = [i for i, e in enumerate(events)
+                   if e["type"] == "TokensEmitted" and rid in e["counts"]]
+        assert emitted and max(emitted) < end, (rid, emitted, end)
+        assert sum(events[i]["counts"][rid] for i in emitted) == n

@@ -1,10 +1,11 @@
-"""Wire framing round-trips and the event journal's replay / torn-tail behaviour."""
+"""Wire framing round-trips and the event journal's replay / torn-tail behaviour (damage of
+every other kind: tests/test_journal.py)."""
 import os
 
 import pytest
 
 from metrale import wire
-from metrale.events import FinishedRequests, Journal, JournalError
+from metrale.events import FinishedRequests, Journal
 
 
 def test_submit_round_trip_keeps_tokens_and_params():
@@ -76,21 +77,28 @@ def test_torn_tail_is_truncated_not_fatal(tmp_path):
     assert view.records["b"]["reason"] == "length"
 
 
-def test_bad_crc_in_tail_truncates_and_in_old_segment_raises(tmp_path):
-    j = Journal(tmp_path, segment_bytes=200)
-    for i in range(8):
-        j.append("TokensEmitted", counts={f"r{i}": i})
-    j.close()
-    segs = j.segments()
-    assert len(segs) > 1
-    data = bytearray(segs[-1].read_bytes())
-    data[-2] ^= 0xFF
-    segs[-1].write_bytes(bytes(data))
-    j2 = Journal(tmp_path, segment_bytes=200)
-    assert j2.num_truncated_bytes > 0
-    j2.close()
-    data = bytearray(segs[0].read_bytes())
-    data[10] ^= 0xFF
-    segs[0].write_bytes(bytes(data))
-    with pytest.raises(JournalError, match="corrupt"):
-        Journal(tmp_path, segment_bytes=200)
+def test_model_info_from_a_quirky_checkpoint_is_json_safe_and_round_trips():
+    raw_tokenizer = {"model_max_length": 1000000000000000019884624838656,
+                     "eos_token": {"content": "<|im_end|>", "lstrip": False},
+                     "bos_token": None, "pad_token": "<|endoftext|>", "add_bos_token": False,
+                     "chat_template": "{{ messages }}", "added_tokens_decoder": {"1": {}}}
+    raw_generation = {"eos_token_id": [2, 3], "bos_token_id": 1, "temperature": 0.7,
+                      "top_k": 10**30, "top_p": float("nan"), "transformers_version": "5"}
+    info = wire.ModelInfo.from_checkpoint_configs(raw_tokenizer, raw_generation, name="m",
+                                                  max_seq_len=128)
+    assert info.tokenizer_config == {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+                                     "add_bos_token": False}
+    assert info.generation_config == {"eos_token_id": [2, 3], "bos_token_id": 1,
+                                      "temperature": 0.7}
+    reply = wire.decode(wire.encode(wire.ControlReply(True, info.to_dict())))
+    assert wire.ModelInfo.from_dict(reply.data) == info
+    assert wire.ModelInfo.from_dict({**info.to_dict(), "added_later": 1}) == info
+
+
+def test_model_info_refuses_fields_of_the_wrong_shape():
+    good = wire.ModelInfo("m").to_dict()
+    for bad in ({"max_seq_len": "128"}, {"tokenizer_config": {"model_max_length": 10**30}},
+                {"generation_config": {"eos_token_id": -1}}, {"name": None},
+                {"rate_limit_enabled": 1}, {"frontend": {"x": object()}}):
+        with pytest.raises(ValueError):
+            wire.ModelInfo.from_dict({**good, **bad})
