@@ -150,9 +150,46 @@ def _error(r, status, param=None):
     ({"messages": CHAT, "stop": 5}, "stop"),
     ({"messages": CHAT, "stream": "yes"}, "stream"),
     ([1, 2, 3], None),
+    ({"messages": CHAT, "seed": -1}, "seed"),
+    ({"messages": CHAT, "seed": 2**64}, "seed"),
+    ({"messages": CHAT, "seed": 1.5}, "seed"),
+    ({"messages": CHAT, "seed": "7"}, "seed"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages[0].content"),
 ])
 def test_invalid_chat_requests_get_400(server, body, param):
     _error(requests.post(server.url + "/v1/chat/completions", json=body), 400, param)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, 0.5])
+def test_seed_out_of_range_is_400_on_completions(server, seed):
+    r = requests.post(server.url + "/v1/completions",
+                      json={"prompt": "Hi", "max_tokens": 1, "seed": seed})
+    assert "seed" in _error(r, 400, "seed")["message"]
+
+
+def _tool(parameters):
+    return [{"type": "function", "function": {"name": "lookup", "parameters": parameters}}]
+
+
+@pytest.mark.parametrize("parameters, problem", [
+    ({"type": "object", "properties": 5}, "5 is not of type 'object'"),
+    ({"type": "object", "required": "x"}, "'x' is not of type 'array'"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/gone"}}}, "does not resolve"),
+    ({"type": "object", "properties": {"a": {"type": "strang"}}}, "properties/a/type"),
+])
+def test_invalid_tool_schemas_get_400_naming_the_tool(server, parameters, problem):
+    r = requests.post(server.url + "/v1/chat/completions",
+                      json={"messages": CHAT, "tools": _tool(parameters)})
+    message = _error(r, 400, "tools")["message"]
+    assert "'lookup'" in message and problem in message
+    # the same schema with its $ref resolving is accepted as far as the schema goes
+    ok = {"type": "object", "properties": {"a": {"$ref": "#/$defs/A"}},
+          "$defs": {"A": {"type": "string"}}}
+    r = requests.post(server.url + "/v1/chat/completions",
+                      json={"messages": CHAT, "tools": _tool(ok), "max_tokens": 1})
+    assert "invalid JSON schema" not in r.text
 
 
 def test_invalid_json_and_unknown_model(server):
