@@ -12,6 +12,8 @@
 #     benchmarks / the GEMM chains with PDL off and on (perf/pdl_chain.py; PDL_TS="1,4" picks t)
 #   GEMM_NCU=1 ...  with SKIP_OPS: Nsight Compute counters of the 9B decode GEMMs (perf/gemm_ncu.py)
 #   LADDER_ARGS="--prefill-graphs on" ...  extra perf/ladder.py arguments for every ladder
+#   GREEDY_BATCH=/path/smollm2.gguf ...  greedy alone vs in a batch of 64 (perf/greedy_batch.py)
+#   LM_HEAD_COST=1 ...  the lm head with a bf16 vs an fp32 store at decode shapes (perf/lm_head_cost.py)
 #
 # Wheels the GPU image lacks (pyzmq, falcon, gunicorn, orjson) are installed from ./.whl when it
 # exists (fetch them beforehand with ../shared/tools/gpu-wheels.sh from the project root).
@@ -48,6 +50,18 @@ for spec in ${PROFILE:-}; do
     | tee "$OUTDIR/profile_${spec%%:*}.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
+
+if [ -n "${GREEDY_BATCH:-}" ]; then
+  echo "== greedy alone vs batch of 64"
+  "$PY" perf/greedy_batch.py --model "$GREEDY_BATCH" --out "$OUTDIR" --label "${GREEDY_LABEL:-}" 2>&1 \
+    | tee "$OUTDIR/greedy_batch.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+if [ -n "${LM_HEAD_COST:-}" ]; then
+  echo "== lm head bf16 vs fp32 logits"
+  "$PY" perf/lm_head_cost.py --out "$OUTDIR" 2>&1 | tee "$OUTDIR/lm_head_cost.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
 
 if [ -z "${SKIP_TESTS:-}" ]; then
 echo "== GPU tests"
