@@ -261,3 +261,15 @@ def test_overrides_are_found_next_to_the_package():
     repo_overrides = REPO_ROOT / "metrale" / "jinja-templates"
     assert repo_overrides in default_override_dirs()
     assert find_override("no_such_model_type") is None
+
+
+def test_explicit_template_text_wins_over_overrides_and_checkpoint(tmp_path):
+    (tmp_path / "qwen3.jinja").write_text("override:{{ messages[0].content }}")
+    message = [{"role": "user", "content": "hi"}]
+    chosen = load_chat_template("qwen3", "upstream:{{ messages[0].content }}",
+                                explicit="text:{{ messages[0].content }}", override_dirs=[tmp_path])
+    assert chosen.render(message) == "text:hi" and chosen.origin == "--chat-template"
+    # a file whose name looks like a template is still read as a file
+    odd = tmp_path / "{{odd}}.jinja"
+    odd.write_text("file:{{ messages[0].content }}")
+    assert load_chat_template("qwen3", None, explicit=str(odd)).render(message) == "file:hi"
