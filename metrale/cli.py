@@ -60,6 +60,13 @@ ENGINE_FLAGS = {
     "--tbt-deadline-ms": ("tbt_deadline_ms", float, "SLAI decode deadline"),
     "--request-timeout": ("request_timeout", float, "per-request seconds; 0 disables"),
     "--swap-space-gb": ("swap_space_gb", float, "disk-backed KV swap"),
+    "--default-min-p": ("default_min_p", float, "min_p of requests that set none and whose "
+                        "model's generation_config.json sets none (0 disables)"),
+    "--default-top-n-sigma": ("default_top_n_sigma", float, "top_n_sigma (keep logits >= max - "
+                              "n * std) of requests that set none (0 disables)"),
+    "--seed": ("seed", int, "engine seed for requests without a seed (each draws from (seed, "
+               "its admission number)): the same seed repeats a run; default: picked from the OS "
+               "at start"),
 }
 # vLLM flags whose meaning Metrale spells another way: the unknown-flag message names ours.
 # (Spellings whose meaning is identical are accepted as aliases: --max-model-len, --api-key,
@@ -83,6 +90,10 @@ _ALIAS_SPELLINGS = {alias for aliases in ENGINE_FLAG_ALIASES.values() for alias 
 ENGINE_BOOL_FLAGS = {
     "--enable-prefix-caching": ("enable_prefix_caching", "reuse KV of shared prompt prefixes"),
     "--profile": ("profile", "per-kernel sync and timing (slower)"),
+    "--adaptive-sampling": ("adaptive_sampling", "entropy-gated greedy: a sampled token is the "
+                            "argmax when the entropy of its processed distribution (after "
+                            "temperature and truncation) is below 0.2 nats, i.e. when the other "
+                            "tokens hold under ~5%% of the mass"),
 }
 
 

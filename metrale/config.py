@@ -50,12 +50,13 @@ class EngineConfig:
     request_timeout: float = 300.0        # seconds, 0 disables
     swap_space_gb: float = 3.0
     auto_compact: float = 0.0             # compact a context at F x max_seq_len (0 = off)
-    default_min_p: float = 0.0
-    default_top_n_sigma: float = 0.0
+    default_min_p: float = 0.08           # min_p of requests that set none (nor the model's
+    default_top_n_sigma: float = 1.0      # generation_config.json); 0 = off
+    adaptive_sampling: bool = False       # entropy-gated greedy (metrale.sampling)
     profile: bool = False
     warmup: str = "auto"                  # startup warm-up: auto (on for cuda) | on | off
     prefill_graphs: str = "on"            # CUDA graphs for prefill / mixed steps too: on | off
-    seed: int = 0
+    seed: int | None = None               # engine seed for unseeded requests; None = from the OS
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> "EngineConfig":
@@ -85,9 +86,20 @@ class EngineConfig:
             raise ConfigError("--swap-space-gb must be >= 0 (0 disables swapping)")
         if self.request_timeout < 0:
             raise ConfigError("--request-timeout must be >= 0 (0 disables)")
+        self._validate_sampling()
         if self.max_batch_size > self.max_num_seqs:
             self.max_num_seqs = self.max_batch_size
         return self
+
+    def _validate_sampling(self) -> None:
+        if not 0.0 <= self.default_min_p <= 1.0:
+            raise ConfigError(f"--default-min-p must be in [0, 1] (0 disables), got "
+                              f"{self.default_min_p}")
+        if not self.default_top_n_sigma >= 0.0:
+            raise ConfigError(f"--default-top-n-sigma must be >= 0 (0 disables), got "
+                              f"{self.default_top_n_sigma}")
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
+            raise ConfigError(f"--seed must be an integer in [0, 2^63), got {self.seed!r}")
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -24,6 +24,7 @@ from metrale.models.checkpoint import Checkpoint
 from metrale.models.registry import build_model
 from metrale.request import Request
 from metrale.runner import ModelRunner, SampledToken
+from metrale.sampling import pick_engine_seed
 from metrale.scheduler import Scheduler
 
 log = logging.getLogger("metrale.core")
@@ -58,6 +59,7 @@ class StepStats:
 class EngineCore:
     def __init__(self, ckpt: Checkpoint, config: EngineConfig | None = None):
         self.config = (config or EngineConfig()).validate()
+        self.seed = pick_engine_seed(self.config.seed)   # unseeded requests draw from it
         self.ops = make_ops(self.config)
         if self.config.profile:     # --profile: every op timed (CUDA graphs stay off)
             self.ops = ProfiledOps(self.ops)
@@ -82,7 +84,7 @@ class EngineCore:
         self._num_blocks, self._num_slots = num_blocks, num_slots
         self.scheduler = self._new_scheduler()
         self.runner = ModelRunner(self.model, self.ops, self.caches, self.config.block_size,
-                                  seed=self.config.seed)
+                                  seed=self.seed)
         self.runner.swap = self.swap
         self.eos_token_ids: frozenset[int] = frozenset()
         self.last_step: StepStats | None = None
@@ -93,6 +95,8 @@ class EngineCore:
             log.debug("--prefill-graphs: CUDA graphs need the CUDA backend; ignored on %s", self.ops.name)
         if self.config.warmup == "on" or (self.config.warmup == "auto" and self.ops.name == "cuda"):
             self._warm_up()
+        log.info("engine seed %d (%s)", self.seed,
+                 "--seed" if self.config.seed is not None else "from the OS; --seed N repeats a run")
         log.info("engine ready: %s on %s; KV pool %d blocks x %d tokens (%.1f MiB), "
                  "state pool %d rows (%.1f MiB)", ckpt.model_type, self.ops.name, num_blocks,
                  self.config.block_size,
@@ -106,7 +110,7 @@ class EngineCore:
         cfg = self.config
         self.runner.gpu_sampler = GpuSampler(
             self.ops, self.model.vocab_size, max_batch=cfg.max_batch_size,
-            num_slots=max(cfg.max_batch_size, num_slots), seed=cfg.seed)
+            num_slots=max(cfg.max_batch_size, num_slots), seed=self.seed)
         if cfg.profile:
             log.info("--profile: CUDA graphs off, kernels run eagerly")
             return
@@ -263,10 +267,17 @@ class EngineCore:
         return self.scheduler.can_admit()
 
     def add_request(self, req: Request) -> None:
-        """Queue a request; raises ValueError when it can never run (too long, bad params)."""
+        """Queue a request; raises ValueError when it can never run (too long, bad params).
+        Its sampler state (random generator) is set up here, so a request that cannot have one
+        is refused alone instead of failing a step."""
         if not req.eos_token_ids and self.eos_token_ids:
             req.eos_token_ids = self.eos_token_ids
-        self.scheduler.add_request(req)
+        self.runner.admit(req)
+        try:
+            self.scheduler.add_request(req)
+        except BaseException:
+            self.runner.release(req.request_id)
+            raise
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.abort_request(request_id)

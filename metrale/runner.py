@@ -41,12 +41,18 @@ class ModelRunner:
         self._sampler_slot: dict[str, int] = {}
 
     # -- per-request state ----------------------------------------------------------------
+    def admit(self, request) -> None:
+        """Set up a new request's random generator (raises ValueError for a seed it cannot
+        take): from its own seed, else from (engine seed, admission counter)."""
+        self._num_generators_made += 1
+        self._generators[request.request_id] = make_generator(
+            request.sampling_params.seed, (self._seed, self._num_generators_made))
+
     def _generator(self, request) -> np.random.Generator:
         gen = self._generators.get(request.request_id)
-        if gen is None:
-            self._num_generators_made += 1
-            gen = make_generator(request.sampling_params.seed, self._seed + self._num_generators_made)
-            self._generators[request.request_id] = gen
+        if gen is None:     # a request that bypassed EngineCore.add_request
+            self.admit(request)
+            gen = self._generators[request.request_id]
         return gen
 
     def seed_state(self):

@@ -18,10 +18,29 @@ rows leave before temperature, as in vLLM's sampler:
     7. top-k             keep the k largest (ties at the k-th value are kept, as in HF)
     8. top-p             keep the smallest prefix of the descending order with mass >= top_p
     9. min-p             keep prob >= min_p * max prob
-   10. sample            Gumbel-max with the request's own np.random.Generator
+   10. adaptive gate     with adaptive_sampling (--adaptive-sampling): argmax when the entropy
+                         of the processed distribution is below ADAPTIVE_ENTROPY_NATS
+   11. sample            Gumbel-max with the request's own np.random.Generator
 
 Steps 6-9 are HF's warper order (temperature, top-k, top-p, min-p); vLLM applies min-p before
-top-k/top-p, which gives a different set only when both min-p and top-p cut.
+top-k/top-p, which gives a different set only when both min-p and top-p cut. Greedy ties
+(exactly equal maximal logits) go to the lowest token id, on the CPU and on the GPU.
+
+The draw: argmax(logit - log E) with E ~ Exponential(1) in float64, redrawn where a draw is
+exactly 0 (its -log would be +inf and pick a uniformly random token), so a token of
+probability p is drawn with probability p down to ~1e-16.
+
+Adaptive sampling (--adaptive-sampling, the `adaptive_sampling` field): a sampled row whose
+processed distribution (after temperature and truncation) has entropy H < 0.2 nats takes its
+argmax instead of a draw. The rule bounds what the shortcut changes: for a top probability
+above 1/2, H >= h(1 - p_top) (h the binary entropy), and h(0.05) = 0.199 nats, so the row goes
+greedy only when the tokens it never draws held less than ~5 % of the mass.
+
+Seeds: a request's `seed` (an integer in [0, 2^64)) seeds its own generator, so it draws the
+same tokens whatever shares its batch. An unseeded request's generator is seeded from
+(engine seed, admission counter): the engine seed is --seed N, or `pick_engine_seed()` draws one
+from the OS at engine start, so a restart does not repeat the "random" text while --seed N makes
+a whole run reproducible.
 
 Logprobs: by default ("penalized") they are log_softmax of the logits after penalties and before
 temperature and truncation, so they describe the model (plus the request's penalties), not the
@@ -30,6 +49,7 @@ before penalties too, which is what vLLM v1's default `raw_logprobs` returns.
 """
 from __future__ import annotations
 
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import NamedTuple
@@ -40,6 +60,11 @@ from metrale.config import EngineConfig
 
 
 GREEDY_TEMPERATURE = 1e-5   # temperatures below this sample greedily
+ADAPTIVE_ENTROPY_NATS = 0.2
+"""--adaptive-sampling: rows whose processed distribution has entropy below this take the argmax
+(see the module docstring: the skipped tokens held < ~5 % of the mass)."""
+SEED_LIMIT = 2 ** 64
+"""Request seeds are integers in [0, SEED_LIMIT): what the GPU sampler's Philox key holds."""
 
 
 @dataclass
@@ -66,6 +91,7 @@ class SamplingParams:
     think_end_id: int | None = None
     forced_close_ids: list[int] = field(default_factory=list)
     starts_in_thinking: bool = False  # the prompt already opened the think block
+    adaptive_sampling: bool = False   # entropy-gated greedy (--adaptive-sampling; module doc)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -99,8 +125,11 @@ class SamplingParams:
     def _validate_optional_fields(self) -> None:
         if self.logprobs is not None:
             _check("logprobs", self.logprobs, _LOGPROBS_RULE, integer=True)
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or null, got {self.seed!r}")
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < SEED_LIMIT):
+            raise ValueError(f"seed must be an integer in [0, 2^64) or null, got {self.seed!r}")
+        if not isinstance(self.adaptive_sampling, (bool, np.bool_)):
+            raise ValueError(f"adaptive_sampling must be true or false, got "
+                             f"{self.adaptive_sampling!r}")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), "
                              f"got {self.min_tokens}")
@@ -180,11 +209,13 @@ GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetitio
 
 
 def engine_sampling_defaults(engine_config: EngineConfig) -> dict:
-    """The sampling defaults an `EngineConfig` carries (--default-min-p, --default-top-n-sigma),
-    keyed by `SamplingParams` field name, ready for `apply_generation_defaults`."""
+    """The sampling defaults an `EngineConfig` carries (--default-min-p, --default-top-n-sigma,
+    --adaptive-sampling), keyed by `SamplingParams` field name, ready for
+    `apply_generation_defaults`."""
     return {
         "min_p": engine_config.default_min_p,
         "top_n_sigma": engine_config.default_top_n_sigma,
+        "adaptive_sampling": engine_config.adaptive_sampling,
     }
 
 
@@ -215,10 +246,21 @@ def apply_generation_defaults(
     return SamplingParams(**merged).validate()
 
 
+def pick_engine_seed(configured: int | None) -> int:
+    """The engine seed: --seed N when given, else 63 random bits from the OS (picked once, at
+    engine start)."""
+    if configured is not None:
+        return int(configured)
+    return secrets.randbits(63)
+
+
 def make_generator(seed: int | None, fallback_seed: int | Sequence[int]) -> np.random.Generator:
     """The request's own random stream: seeded from `seed` when the request gave one (so the same
-    seed draws the same tokens whatever else is in the batch), else from `fallback_seed` (e.g. the
-    engine seed and a request counter). Create it once per request and reuse it every step."""
+    seed draws the same tokens whatever else is in the batch), else from `fallback_seed` (the
+    engine uses (engine seed, admission counter)). Create it once per request, at admission
+    (a seed out of range raises ValueError there, not inside a step), and reuse it every step."""
+    if seed is not None and not (_is_int(seed) and 0 <= seed < SEED_LIMIT):
+        raise ValueError(f"seed must be an integer in [0, 2^64) or null, got {seed!r}")
     return np.random.default_rng(seed if seed is not None else fallback_seed)
 
 
@@ -260,8 +302,8 @@ class SampleResult:
 class Sampler:
     """Batched CPU sampler over logits [B, V] (see the module docstring for the order of steps).
 
-    Vectorised over the rows that share a step; only the final Gumbel draw loops over rows, since
-    each row draws from its own generator (noise is drawn for surviving tokens only). Top-k is an
+    Vectorised over the rows that share a step; only the noise of the final Gumbel draw is made
+    row by row, since each row draws from its own generator (for surviving tokens only). Top-k is an
     O(V) partition; top-p sorts only the survivors of the earlier steps, and of those only the
     1024 largest unless the nucleus is wider. At B=128, V=152k one step takes ~0.1 s greedy and
     ~0.5 s sampled on one core, dominated by the Gumbel noise over untruncated rows."""
@@ -293,8 +335,7 @@ class Sampler:
         rows = np.flatnonzero(~greedy)
         if rows.size:
             kept = truncate(x[rows], [params[r] for r in rows])
-            for i, r in enumerate(rows):
-                token_ids[r] = _gumbel_argmax(kept[i], generators[r])
+            token_ids[rows] = _draw(kept, [params[r] for r in rows], [generators[r] for r in rows])
         return SampleResult(token_ids, _gather_logprobs(logprobs, token_ids, params))
 
     def processed_logits(
@@ -479,33 +520,73 @@ def _min_p(y: np.ndarray, min_p: np.ndarray) -> None:
 def _finite_entries(y: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """The finite logits of each selected row, left-aligned and padded with -inf to the widest
     row: [len(rows), max finite count]. Earlier cuts (top-k, top-n-sigma) make this narrow."""
-    finite = [y[r][np.isfinite(y[r])] for r in rows]
-    width = max(max(v.size for v in finite), 1)
+    z = y[rows]
+    finite = np.isfinite(z)
+    width = max(int(finite.sum(axis=1).max(initial=0)), 1)
     if width == y.shape[1]:
-        return y[rows]
-    out = np.full((rows.size, width), -np.inf, dtype=y.dtype)
-    for i, v in enumerate(finite):
-        out[i, : v.size] = v
+        return z
+    order = np.argsort(~finite, axis=1, kind="stable")[:, :width]   # finite entries first
+    out = np.take_along_axis(z, order, axis=1)
+    out[~np.take_along_axis(finite, order, axis=1)] = -np.inf
     return out
 
 
 def _mask_below(y: np.ndarray, rows: np.ndarray, threshold: np.ndarray) -> None:
     """Set y[r, v] = -inf where y[r, v] < threshold[i], for r = rows[i], in place."""
-    for r, t in zip(rows, threshold):
-        row = y[r]
-        row[row < t] = -np.inf
+    z = y[rows]
+    z[z < np.asarray(threshold)[:, None]] = -np.inf
+    y[rows] = z
 
 
-# ---- step 10: the draw -----------------------------------------------------------------------
+# ---- steps 10-11: the adaptive gate and the draw ---------------------------------------------
 
-def _gumbel_argmax(row: np.ndarray, generator: np.random.Generator) -> int:
-    """Draw from softmax(row) as argmax(row - log E), E ~ Exponential(1) (the Gumbel-max trick).
-    Noise is drawn only for the finite tokens, in token-id order."""
-    candidates = np.flatnonzero(np.isfinite(row))
-    if not candidates.size:
+def _draw(kept: np.ndarray, params: Sequence[SamplingParams],
+          generators: Sequence[np.random.Generator]) -> np.ndarray:
+    """One token per row of the processed logits kept [R, V]: the argmax for adaptive rows of
+    entropy < ADAPTIVE_ENTROPY_NATS (they draw no noise), a Gumbel-max draw for the others."""
+    picks = np.argmax(kept, axis=1)
+    draw = np.array([not p.adaptive_sampling for p in params], dtype=bool)
+    if not draw.all():
+        gated = np.flatnonzero(~draw)
+        draw[gated] = entropy_nats(kept[gated]) >= ADAPTIVE_ENTROPY_NATS
+    rows = np.flatnonzero(draw)
+    if rows.size:
+        picks[rows] = gumbel_argmax(kept[rows], [generators[r] for r in rows])
+    return picks
+
+
+def entropy_nats(logits: np.ndarray) -> np.ndarray:
+    """Entropy (nats, float64) of softmax over each row of logits [R, V] (-inf = excluded)."""
+    finite = np.isfinite(logits)
+    z = np.where(finite, logits - logits.max(axis=1, keepdims=True), 0.0).astype(np.float64)
+    e = np.where(finite, np.exp(z), 0.0)
+    total = e.sum(axis=1)
+    return np.log(total) - (e * z).sum(axis=1) / total
+
+
+def gumbel_argmax(rows: np.ndarray, generators: Sequence[np.random.Generator]) -> np.ndarray:
+    """Draw one token from softmax(rows[i]) for each row, as argmax(rows[i] - log E) with
+    E ~ Exponential(1) from generators[i] (the Gumbel-max trick). Each row draws noise for its
+    finite tokens only, in token-id order, in float64; a draw of exactly 0 (whose -log E = +inf
+    would win whatever its token's probability) is redrawn from the row's generator."""
+    finite = np.isfinite(rows)
+    counts = finite.sum(axis=1)
+    if not counts.all():
         raise ValueError("every token of a row was filtered out; check the row's logits for NaN")
-    noise = generator.standard_exponential(size=candidates.size, dtype=np.float32)
-    return int(candidates[np.argmax(row[candidates] - np.log(noise))])
+    noise = np.concatenate([g.standard_exponential(size=int(c))
+                            for g, c in zip(generators, counts)])
+    zero = np.flatnonzero(noise == 0.0)
+    if zero.size:
+        owner = np.searchsorted(np.cumsum(counts), zero, side="right")
+        for at, row in zip(zero, owner):
+            while noise[at] == 0.0:
+                noise[at] = generators[row].standard_exponential()
+    np.log(noise, out=noise)
+    if noise.size == rows.size:                     # nothing truncated: no scatter
+        return np.argmax(rows - noise.reshape(rows.shape), axis=1)
+    scores = np.full(rows.shape, -np.inf)
+    scores[finite] = rows[finite] - noise           # row-major: each row's finite tokens in order
+    return np.argmax(scores, axis=1)
 
 
 # ---- logprobs --------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from metrale.config import EngineConfig
+from metrale.config import ConfigError, EngineConfig
 from metrale.sampling import (
     Sampler,
     SamplingParams,
@@ -73,7 +73,10 @@ def assert_same_distribution(ours: np.ndarray, theirs: np.ndarray) -> None:
     ("max_tokens", 0, r"max_tokens must be >= 1, got 0"),
     ("logprobs", 21, r"logprobs must be in \[0, 20\] \(or null = off\), got 21"),
     ("logprobs", -1, r"logprobs must be in \[0, 20\]"),
-    ("seed", "7", r"seed must be an integer or null"),
+    ("seed", "7", r"seed must be an integer in \[0, 2\^64\) or null"),
+    ("seed", -1, r"seed must be an integer in \[0, 2\^64\) or null, got -1"),
+    ("seed", 2**64, r"seed must be an integer in \[0, 2\^64\)"),
+    ("adaptive_sampling", "yes", r"adaptive_sampling must be true or false"),
     ("max_tokens", True, r"max_tokens must be an integer"),
 ])
 def test_validate_names_the_field_and_its_range(field, value, message):
@@ -115,6 +118,23 @@ def test_generation_config_ignores_keys_outside_the_sampling_five():
     p = apply_generation_defaults({}, GEN_CONFIG)
     assert p.max_tokens == SamplingParams().max_tokens
     assert p.stop_token_ids == []
+
+
+def test_engine_defaults_are_the_operator_references():
+    engine = engine_sampling_defaults(EngineConfig())
+    assert engine == {"min_p": 0.08, "top_n_sigma": 1.0, "adaptive_sampling": False}
+    assert apply_generation_defaults({}, {}, engine_sampling_defaults(
+        EngineConfig(adaptive_sampling=True))).adaptive_sampling is True
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("default_min_p", 1.5, r"--default-min-p must be in \[0, 1\]"),
+    ("default_top_n_sigma", -0.5, r"--default-top-n-sigma must be >= 0"),
+    ("seed", -3, r"--seed must be an integer in \[0, 2\^63\), got -3"),
+])
+def test_engine_config_rejects_sampling_settings_out_of_range(field, value, message):
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig(**{field: value}).validate()
 
 
 def test_precedence_request_then_model_then_engine_then_dataclass():
@@ -381,3 +401,133 @@ def test_vanishing_temperature_is_greedy_not_nan():
                            [make_generator(1, 1), make_generator(2, 2)], [([1], []), ([1], [])])
     assert out.token_ids[0] == logits[0].argmax()
     assert out.token_ids[1] == logits[1].argmax()   # the smallest nucleus keeps the top token
+
+
+# ---- statistics of the draw ------------------------------------------------------------------
+
+from tests.sampling_stats import (  # noqa: E402
+    DRAWS,
+    P_VALUE_FLOOR,
+    chi_square_p_value,
+    exact_distribution,
+    kept_set,
+    planted_logits,
+    statistical_cases,
+)
+
+CASES = statistical_cases()
+
+
+def draw_counts(row: np.ndarray, p: SamplingParams, draws: int = DRAWS, seed: int = 2024,
+                chunk: int = DRAWS) -> np.ndarray:
+    """Token counts of `draws` draws from one logits row: rows of one batch sharing a
+    generator (fixed seed), `chunk` rows per sample call."""
+    gen, counts = make_generator(seed, 0), np.zeros(row.size, dtype=np.int64)
+    for start in range(0, draws, chunk):
+        n = min(chunk, draws - start)
+        tokens = Sampler().sample(np.repeat(row[None], n, axis=0), [p] * n, [gen] * n).token_ids
+        counts += np.bincount(tokens, minlength=row.size)
+    return counts
+
+
+@pytest.mark.parametrize("name, p", CASES, ids=[c[0] for c in CASES])
+def test_draws_follow_the_exact_distribution(name, p):
+    """100k draws against the softmax of the processed logits computed from the definitions
+    (tests/sampling_stats.py): chi-square p-value above P_VALUE_FLOOR, nothing outside the
+    kept set."""
+    row = planted_logits()
+    probs = exact_distribution(row, p)
+    kept = np.isfinite(Sampler().processed_logits(row[None], [p])[0])
+    np.testing.assert_array_equal(kept, kept_set(row, p))
+    if name != "temperature":
+        assert 1 < kept.sum() < row.size, "the case must cut, or it tests nothing"
+    counts = draw_counts(row, p)
+    assert counts[~kept].sum() == 0
+    assert chi_square_p_value(counts, probs) > P_VALUE_FLOOR
+
+
+def test_the_chi_square_check_tells_a_wrong_distribution_apart():
+    row = planted_logits()
+    counts = draw_counts(row, SamplingParams(temperature=0.7))
+    assert chi_square_p_value(counts, exact_distribution(row, SamplingParams(temperature=0.75))) \
+        < P_VALUE_FLOOR
+
+
+def test_no_token_of_negligible_probability_is_ever_drawn():
+    """The draw's exponential noise was float32 and could be exactly 0; -log(0) = +inf then
+    picked a uniformly random surviving token (measured: ~0.6 % of draws at a 152k vocab).
+    Here 511 tokens have probability ~1e-13 each: 100k draws must all pick token 0."""
+    row = np.full(512, -30.0, dtype=np.float32)
+    row[0] = 0.0
+    counts = draw_counts(row, SamplingParams(temperature=1.0), chunk=10_000)
+    assert exact_distribution(row, SamplingParams())[1:].max() < 1e-9
+    assert counts[0] == DRAWS, f"{DRAWS - counts[0]} draws picked a token of probability ~1e-13"
+
+
+# ---- adaptive sampling -----------------------------------------------------------------------
+
+def two_token_row(q: float, vocab: int = 64) -> np.ndarray:
+    """Token 0 with probability 1 - q, token 1 with q, the rest ~1e-13 (pruned by min_p)."""
+    row = np.full(vocab, -40.0, dtype=np.float32)
+    row[0], row[1] = np.log(1 - q), np.log(q)
+    return row
+
+
+def test_adaptive_sampling_goes_greedy_below_the_entropy_threshold():
+    from metrale.sampling import ADAPTIVE_ENTROPY_NATS, entropy_nats
+
+    low, high = two_token_row(0.04), two_token_row(0.06)   # H = 0.168 and 0.227 nats
+    assert entropy_nats(low[None])[0] < ADAPTIVE_ENTROPY_NATS < entropy_nats(high[None])[0]
+    adaptive = SamplingParams(temperature=1.0, min_p=1e-6, adaptive_sampling=True)
+    assert draw_counts(low, adaptive, draws=20_000)[0] == 20_000
+    assert draw_counts(low, SamplingParams(temperature=1.0, min_p=1e-6), draws=20_000)[1] > 600
+    counts = draw_counts(high, adaptive, draws=20_000)
+    assert chi_square_p_value(counts, exact_distribution(high, adaptive)) > P_VALUE_FLOOR
+
+
+def test_adaptive_gate_reads_the_processed_distribution():
+    """A flat row is above the threshold untruncated, but top_k=1 (or a cold temperature) makes
+    it peaked: the gate looks after temperature and truncation."""
+    row = planted_logits()
+    gated = SamplingParams(temperature=1.0, adaptive_sampling=True)
+    assert (draw_counts(row, gated, draws=5000) > 0).sum() > 5
+    cold = SamplingParams(temperature=0.05, adaptive_sampling=True)
+    assert draw_counts(row, cold, draws=5000)[int(row.argmax())] == 5000
+
+
+# ---- greedy ties, input dtypes, seeds --------------------------------------------------------
+
+def test_greedy_ties_go_to_the_lowest_token_id():
+    logits = random_logits(19, rows=6)
+    for b, ids in enumerate([[3, 9], [0, 511], [100, 101, 400], [7, 8], [250, 5], [42]]):
+        logits[b, ids] = 20.0
+    out = Sampler().sample(logits, [SamplingParams(temperature=0)] * 6, [None] * 6).token_ids
+    np.testing.assert_array_equal(out, [3, 0, 100, 7, 5, 42])
+    np.testing.assert_array_equal(out, np.argmax(logits, axis=1))
+
+
+def test_bf16_and_fp32_logits_sample_alike():
+    import ml_dtypes
+
+    bf16 = random_logits(20, rows=8).astype(ml_dtypes.bfloat16)
+    fp32 = bf16.astype(np.float32)
+    params = [SamplingParams(temperature=0)] * 4 + [SamplingParams(top_p=0.9, seed=i)
+                                                    for i in range(4)]
+
+    def run(x):
+        return Sampler().sample(x, params, [make_generator(p.seed, 0) for p in params]).token_ids
+    np.testing.assert_array_equal(run(bf16), run(fp32))
+
+
+def test_make_generator_refuses_a_seed_out_of_range():
+    for bad in (-1, 2**64, "3"):
+        with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\^64\)"):
+            make_generator(bad, 0)
+    assert make_generator(2**64 - 1, 0).integers(0, 10) >= 0
+
+
+def test_engine_seed_is_the_flag_or_fresh_randomness():
+    from metrale.sampling import pick_engine_seed
+
+    assert pick_engine_seed(7) == 7
+    assert len({pick_engine_seed(None) for _ in range(4)}) == 4
