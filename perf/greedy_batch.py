@@ -43,6 +43,12 @@ def device_name() -> str:
         return platform.node()
 
 
+def _top2(tok) -> dict:
+    top = sorted(tok.top_logprobs or [], key=lambda p: -p[1])[:2]
+    return {"ids": [int(i) for i, _ in top], "logprobs": [float(lp) for _, lp in top],
+            "gap": float(top[0][1] - top[1][1]) if len(top) == 2 else None}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -56,17 +62,22 @@ def main() -> int:
     from metrale.sampling import SamplingParams
 
     llm = LLM(args.model, device=args.device, max_batch_size=64, max_num_seqs=128, max_seq_len=1024)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=2)
     chats = [[{"role": "user", "content": p}] for p in PROMPTS + FILLERS]
     prompts = [llm.tokenizer.encode(llm.render_chat(c), add_special_tokens=False) for c in chats]
     t0 = time.monotonic()
-    alone = [llm.generate([p], params)[0].token_ids for p in prompts[:len(PROMPTS)]]
-    batched = [r.token_ids for r in llm.generate(prompts, params)[:len(PROMPTS)]]
+    alone = [llm.generate([p], params)[0] for p in prompts[:len(PROMPTS)]]
+    batched = llm.generate(prompts, params)[:len(PROMPTS)]
     rows = []
-    for prompt, a, b in zip(PROMPTS, alone, batched):
+    for prompt, ra, rb in zip(PROMPTS, alone, batched):
+        a, b = ra.token_ids, rb.token_ids
         first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        rows.append({"prompt": prompt, "agree": a == b, "first_divergence": first,
-                     "alone_text": llm.tokenizer.decode(a), "batched_text": llm.tokenizer.decode(b)})
+        row = {"prompt": prompt, "agree": a == b, "first_divergence": first,
+               "alone_text": llm.tokenizer.decode(a), "batched_text": llm.tokenizer.decode(b)}
+        if first is not None:      # how close the two best tokens were where the runs split
+            row["top2_alone"] = _top2(ra.logprobs[first])
+            row["top2_batched"] = _top2(rb.logprobs[first])
+        rows.append(row)
     commit = os.environ.get("GIT_COMMIT", "unknown")
     record = {
         "benchmark": "greedy_batch", "commit": commit, "label": args.label,

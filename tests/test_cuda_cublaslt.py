@@ -342,7 +342,7 @@ def test_unsplit_copies_of_split_k_algorithms_are_candidates_and_correct(cp):
     x, w = rnd(cp, (t, k), BF16), rnd(cp, (n_out, k), BF16, k ** -0.5)
     y = poisoned(cp, (t, n_out), BF16)
     key = (t, n_out, k, k, k, n_out, lt.CUDA_R_16BF, False, lt._align(x.data.ptr), lt._align(w.data.ptr),
-           lt._align(y.data.ptr))
+           lt._align(y.data.ptr), lt.CUDA_R_16BF)
     layouts = g._key_layouts(key)
     bases = [lt.MatmulAlgo.from_buffer_copy(r.algo) for r in g._heuristics(key, layouts, lt.MAX_HEURISTICS)]
     split = [b for b in bases if (g._cfg(b, lt.CUBLASLT_ALGO_CONFIG_SPLITK_NUM) or 1) > 1]
