@@ -14,7 +14,8 @@ blocks and, while streaming, into the exact Anthropic event sequence:
     message_delta {stop_reason, stop_sequence, usage.output_tokens}, message_stop
 
 stop_reason: tool_use (the message holds calls and ended by itself), stop_sequence (with the
-matched string), max_tokens, else end_turn. Thinking blocks end with their signature
+matched string), max_tokens, else end_turn; a request ended by --request-timeout is a
+timeout_error (504, or an `error` event once streaming). Thinking blocks end with their signature
 (anthropic_schema.thinking_signature); with `thinking.display: "omitted"` their text is left
 out (no thinking_delta) and only the signature is sent. Errors use Anthropic's shape on these
 paths, also for auth failures and engine outages (see `on_api_error`); an error after the
@@ -22,6 +23,7 @@ stream started is an `error` event.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 
 import falcon
@@ -111,6 +113,15 @@ class Blocks:
         self._open = None
 
 
+def timed_out(done: ChoiceDone) -> APIError | None:
+    """A request ended by --request-timeout: Anthropic's timeout_error (a 504, or the stream's
+    `error` event after the blocks so far), never a max_tokens stop it did not reach."""
+    if done.finish_reason != "timeout":
+        return None
+    return APIError(504, "the request ran past the server's --request-timeout before it "
+                    "finished; retry, or ask for fewer tokens", type="timeout_error")
+
+
 def stop_reason(done: ChoiceDone, num_calls: int) -> tuple[str, str | None]:
     if done.finish_reason == "length":
         return "max_tokens", None
@@ -131,6 +142,8 @@ class _Format:
 
     def response(self, result: dict, use: dict) -> dict:
         _, _, done, events = result[0]
+        if (error := timed_out(done)) is not None:
+            raise error
         blocks = Blocks(self.display)
         blocks.feed(events)
         blocks.close()
@@ -148,7 +161,7 @@ class Messages(_Generate):
         info = self.worker.ready()
         body = await read_json(req, self.worker.settings)
         mreq = schema.parse_messages_request(body, served=info["name"])
-        p = _prepare(self.worker, mreq)
+        p = await asyncio.to_thread(_prepare, self.worker, mreq)     # templating + tokenizing
         specs = _specs(self.worker, mreq, [p.ids], "messages", p.max_tokens_cap, p.plan,
                        p.sampling)
         await self._run(req, resp, mreq, specs, [p.ids],
@@ -171,6 +184,9 @@ class Messages(_Generate):
                 if isinstance(event, ChoiceDone):
                     for e in blocks.close():
                         yield schema.sse(e)
+                    if (error := timed_out(event)) is not None:
+                        yield schema.sse(schema.error_body(error))
+                        break
                     reason, seq = stop_reason(event, blocks.num_calls)
                     use = self._usage(specs, {event.index: event})
                     yield schema.sse({"type": "message_delta",
@@ -190,7 +206,8 @@ class CountTokens(_Generate):
         info = self.worker.ready()
         body = await read_json(req, self.worker.settings)
         mreq = schema.parse_messages_request(body, count_only=True, served=info["name"])
-        _json(resp, {"input_tokens": len(_prepare(self.worker, mreq).ids)})
+        p = await asyncio.to_thread(_prepare, self.worker, mreq)
+        _json(resp, {"input_tokens": len(p.ids)})
 
 
 def _prepare(worker: Worker, mreq: schema.MessagesRequest):

@@ -193,6 +193,25 @@ def test_request_timeout_is_reported_as_timeout_and_counted(server):
     assert metric(server.url, "metrale_request_timeouts_total") == before + 2
 
 
+def test_request_timeout_on_the_messages_api_is_a_timeout_error(server):
+    """Anthropic's convention: a timeout_error (504, or the stream's `error` event after the
+    blocks so far), never stop_reason max_tokens."""
+    name = requests.get(server.url + "/v1/models").json()["data"][0]["id"]
+    body = {"model": name, "max_tokens": 4000, "temperature": 0,   # greedy: loops, no end of turn
+            "messages": [{"role": "user", "content": "slow"}]}
+    r = requests.post(server.url + "/v1/messages", json=body, timeout=60)
+    assert r.status_code == 504, r.text
+    assert r.json()["error"]["type"] == "timeout_error"
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", server.url + "/v1/messages", json={**body, "stream": True}) as s:
+            assert s.status_code == 200
+            datas = [json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: ")]
+    assert datas[0]["type"] == "message_start"
+    assert datas[-1] == {"type": "error", "error": {"type": "timeout_error",
+                                                   "message": datas[-1]["error"]["message"]}}
+    assert not any(d["type"] == "message_delta" for d in datas)
+
+
 # ---- the engine killed under load (last: it restarts the engine) ----------------------------
 
 def _events(log_dir) -> list[dict]:

@@ -33,7 +33,7 @@ _TYPES = {
 # HTTP status -> Anthropic error type (docs.anthropic.com "Errors"); /v1/messages answers an
 # unavailable engine as 529 overloaded_error (metrale.api.anthropic_schema.error_status)
 _ANTHROPIC_TYPES = {**_TYPES, 413: "request_too_large", 500: "api_error",
-                    503: "overloaded_error", 529: "overloaded_error"}
+                    503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
 
 ANTHROPIC_PREFIX = "/v1/messages"
 
