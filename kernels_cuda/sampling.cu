@@ -5,7 +5,7 @@
 //
 // Per-row parameters: prm i32 [B, 16] (floats stored as their bits):
 //   f[0] temperature (<= 0: greedy)  f[1] top_p  f[2] min_p  f[3] presence  f[4] frequency
-//   f[5] repetition  f[6] top_n_sigma
+//   f[5] repetition  f[6] top_n_sigma  f[7] adaptive entropy threshold in nats (0 = off)
 //   i[8] top_k (0 = off)  i[9] seed lo  i[10] seed hi  i[11] step  i[12] slot (row of the count
 //   tables, -1 = none)  i[13] penalties on  i[14] logprobs k (-1 = off)
 //
@@ -14,14 +14,17 @@
 //   on tokens seen in prompt or output (l > 0 ? l / r : l * r), then l -= frequency * count +
 //   presence * (count > 0) (output tokens only). Grid (V / 1024, B). Bytes B*V*(2 + 4 [+5]).
 // sample_select(work, V, prm, counts, out i32 [B, OW]): one CTA of 1024 threads per row.
-//   greedy: argmax (lowest index on ties). Otherwise keep l >= max(tau_k, tau_p, tau_min,
-//   tau_sigma) where tau_k = k-th largest value (radix select on the order-preserving bits),
-//   tau_p = smallest value of the shortest prefix (by value) of the top-k set whose softmax mass
-//   reaches top_p (radix select on 2^40-scaled fixed-point mass: deterministic), tau_min =
-//   max + log(min_p), tau_sigma = max - n * std (over finite entries); then Gumbel-max:
-//   argmax(l + G), G = -log(-log(u)), u from Philox4x32-10 keyed by (seed), counter (v/4,
-//   step) -- the same (seed, step) always gives the same token. out[r, 0] = token; counts[slot,
-//   token] += 1. Reads the row 2 (greedy) to ~10 (top-k and top-p) times, from L2.
+//   greedy: argmax (lowest index on ties). Otherwise keep l >= max(tau_sigma, tau_k, tau_p,
+//   tau_min) (metrale/sampling.py's order) where tau_sigma = max - n * std (population std of
+//   the finite entries, two passes), tau_k = k-th largest value (radix select on the
+//   order-preserving bits), tau_p = smallest value of the shortest prefix (by value) of the set
+//   kept by top-n-sigma and top-k whose softmax mass reaches top_p (radix select on 2^40-scaled
+//   fixed-point mass: deterministic), tau_min = max + log(min_p). Adaptive rows (f[7] > 0) whose
+//   kept set has entropy < f[7] nats take the argmax. Otherwise Gumbel-max: argmax(l + G),
+//   G = -log(E), E = -log(u), u = (top 23 bits + 0.5) / 2^23 from Philox4x32-10 keyed by
+//   (seed), counter (v/4, step), so u < 1 and E > 0 (see gumbel()): the same (seed, step)
+//   always gives the same token. out[r, 0] = token;
+//   counts[slot, token] += 1. Reads the row 2 (greedy) to ~12 (top-k and top-p) times, from L2.
 // sample_logprobs_<T>(logits, ld, V, prm, out, OW, K): log_softmax of the RAW logits (the model's
 //   distribution, before penalties and temperature): out[r,1] = logprob of the token,
 //   out[r, 2 .. 2+K) = top-K ids, out[r, 2+K .. 2+2K) = their logprobs (float bits),
@@ -53,8 +56,12 @@ __device__ __forceinline__ uint4 philox(uint4 c, uint2 key) {
     }
     return c;
 }
+// Gumbel noise from the top 23 random bits: u = (b + 0.5) / 2^23, exact in fp32, in
+// [2^-24, 1 - 2^-24], so E = -log(u) is never 0 (which would make G = -log(E) = +inf and pick a
+// uniformly random token; 24 bits + 0.5 rounded u up to 1.0 once in 2^24 tokens). G lies in
+// [-2.81, 16.6]: a token more than 19.4 below the row's top logit (p < 4e-9) is never drawn.
 __device__ __forceinline__ float gumbel(unsigned bits) {
-    const float u = ((float)(bits >> 8) + 0.5f) * (1.0f / 16777216.0f);
+    const float u = ((float)(bits >> 9) + 0.5f) * (1.0f / 8388608.0f);
     return -logf(-logf(u));
 }
 
@@ -183,21 +190,29 @@ __device__ void sample_select(const float* work, int V, const int* prm_all,
         const float min_p = pf(prm, 2), top_p = pf(prm, 1), nsig = pf(prm, 6);
         const int top_k = prm[8];
         if (min_p > 0.f) thr = fmaxf(thr, m + logf(min_p));
-        if (nsig > 0.f) {
-            float s1 = 0.f, s2 = 0.f, n = 0.f;
+        unsigned lo_key = 0;
+        if (nsig > 0.f) {  // first, as on the CPU: top-k and top-p see its survivors only
+            float s1 = 0.f, n = 0.f;
             for (int v = tid; v < V; v += SNT) {
                 const float l = row[v];
-                if (isfinite(l)) { s1 += l; s2 += l * l; n += 1.f; }
+                if (isfinite(l)) { s1 += l; n += 1.f; }
             }
             s1 = mt::block_sum(s1, sv);
-            s2 = mt::block_sum(s2, sv);
             n = mt::block_sum(n, sv);
-            const float mean = s1 / n, var = fmaxf(s2 / n - mean * mean, 0.f);
-            thr = fmaxf(thr, m - nsig * sqrtf(var));
+            const float mean = s1 / n;
+            float s2 = 0.f;
+            for (int v = tid; v < V; v += SNT) {
+                const float d = row[v] - mean;
+                if (isfinite(row[v])) s2 += d * d;
+            }
+            s2 = mt::block_sum(s2, sv);
+            const float tau = m - nsig * sqrtf(s2 / n);
+            thr = fmaxf(thr, tau);
+            lo_key = key_of(tau == 0.f ? -0.f : tau);  // keys: -0 sorts below +0
         }
-        unsigned lo_key = 0;
         if (top_k > 0 && top_k < V) {
-            lo_key = radix_select<false>(row, V, 0u, m, 1.f, (unsigned long long)top_k, hist, &sp, &st);
+            lo_key = max(lo_key, radix_select<false>(row, V, lo_key, m, 1.f,
+                                                      (unsigned long long)top_k, hist, &sp, &st));
         }
         if (top_p < 1.f) {
             float z = 0.f;
@@ -213,11 +228,27 @@ __device__ void sample_select(const float* work, int V, const int* prm_all,
             lo_key = max(lo_key, kp);
         }
         if (lo_key) thr = fmaxf(thr, float_of(lo_key));
+        const float gate = pf(prm, 7);
+        bool greedy = false;
+        if (gate > 0.f) {  // adaptive: entropy of the kept set, H = log Z - sum(e * (l - m)) / Z
+            float z = 0.f, zl = 0.f;
+            for (int v = tid; v < V; v += SNT) {
+                const float l = row[v];
+                if (l >= thr && l > -MT_INF) {
+                    const float e = expf(l - m);
+                    z += e;
+                    zl += e * (l - m);
+                }
+            }
+            z = mt::block_sum(z, sv);
+            zl = mt::block_sum(zl, sv);
+            greedy = logf(z) - zl / z < gate;
+        }
         // Gumbel-max over the kept set.
         const uint2 key = make_uint2((unsigned)prm[9], (unsigned)prm[10]);
         const unsigned step = (unsigned)prm[11];
         ArgMax a{-MT_INF, V};
-        for (int base = tid * 4; base < V; base += SNT * 4) {
+        for (int base = greedy ? V : tid * 4; base < V; base += SNT * 4) {
             const uint4 rnd = philox(make_uint4((unsigned)(base >> 2), step, 0u, 0u), key);
             const unsigned rr[4] = {rnd.x, rnd.y, rnd.z, rnd.w};
 #pragma unroll
@@ -231,7 +262,7 @@ __device__ void sample_select(const float* work, int V, const int* prm_all,
         }
         a = block_argmax(a, sv, si);
         token = a.i < V ? a.i : 0;
-        if (a.i >= V) {  // nothing finite survived: fall back to the argmax
+        if (a.i >= V) {  // adaptive greedy, or nothing finite survived: the argmax
             ArgMax b{-MT_INF, V};
             for (int v = tid; v < V; v += SNT) b = better(b, ArgMax{row[v], v});
             b = block_argmax(b, sv, si);
@@ -285,7 +316,9 @@ __device__ void sample_logprobs(const T* logits, long long ld, int V,
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(SNT) sample_select_f32(const float* work, int V,
+// (SNT, 1): one 1024-thread CTA per SM (a row each; B <= 132 fills the H200 once) gives ptxas 64
+// registers; without the 1 it held 32 and spilled the kept-set thresholds.
+extern "C" __global__ void __launch_bounds__(SNT, 1) sample_select_f32(const float* work, int V,
                                                                     const int* prm, int* counts,
                                                                     int* out, int OW) { mt::pdl_enter();
     sample_select(work, V, prm, counts, out, OW);

@@ -191,3 +191,85 @@ def test_logprobs(ops):
     toks = s.sample(cp.asarray(logits), params, np.zeros(B))
     assert toks.dtype == np.int32 and toks.shape == (B,)
     np.testing.assert_array_equal(toks, res.tokens)
+
+
+# ---- the statistics of the draw (the CPU sampler's tests, tests/test_sampling.py) ------------
+
+from tests.sampling_stats import (  # noqa: E402
+    DRAWS,
+    P_VALUE_FLOOR,
+    chi_square_p_value,
+    exact_distribution,
+    planted_logits,
+    statistical_cases,
+)
+
+CASES = statistical_cases()
+
+
+def _gpu_counts(ops, row: np.ndarray, p: SamplingParams, draws: int = DRAWS, B: int = 1024):
+    """Token counts of >= `draws` draws of one row: B rows a call, unseeded (each row's slot
+    seed), a new step per call, so every draw has its own (seed, step)."""
+    import cupy as cp
+    s = _sampler(ops, row.size, B, penalties=False)
+    logits = cp.asarray(np.tile(row, (B, 1)))
+    counts = np.zeros(row.size, dtype=np.int64)
+    for r in range(-(-draws // B)):
+        np.add.at(counts, s.sample(logits, [p] * B, np.full(B, r)), 1)
+    return counts
+
+
+@pytest.mark.parametrize("name, p", CASES, ids=[c[0] for c in CASES])
+def test_draws_follow_the_exact_distribution(ops, name, p):
+    """100k draws against the exact distribution of the definitions (tests/sampling_stats.py,
+    the CPU sampler's order): chi-square p-value above P_VALUE_FLOOR, nothing outside the
+    kept set."""
+    row = planted_logits()
+    probs = exact_distribution(row, p)
+    counts = _gpu_counts(ops, row, p)
+    assert counts[probs == 0].sum() == 0, "sampled a token outside the kept set"
+    assert chi_square_p_value(counts, probs) > P_VALUE_FLOOR
+
+
+def test_no_token_of_negligible_probability_is_ever_drawn(ops):
+    """u = ((bits >> 8) + 0.5) / 2^24 rounded to 1.0 once in 2^24 tokens, -log(-log 1) = +inf won:
+    ~0.9 % of draws at a 152k vocab were a uniformly random token."""
+    row = np.full(151_936, -30.0, dtype=np.float32)
+    row[0] = 0.0
+    counts = _gpu_counts(ops, row, SamplingParams(temperature=1.0), B=512)
+    assert counts[1:].sum() == 0, f"{counts[1:].sum()} draws picked a token of probability ~1e-13"
+
+
+def test_adaptive_sampling_goes_greedy_below_the_entropy_threshold(ops):
+    def two_token_row(q):
+        row = np.full(64, -40.0, dtype=np.float32)
+        row[0], row[1] = np.log(1 - q), np.log(q)
+        return row
+    adaptive = SamplingParams(temperature=1.0, min_p=1e-6, adaptive_sampling=True)
+    low = _gpu_counts(ops, two_token_row(0.04), adaptive, draws=20_000)      # H = 0.168 nats
+    assert low[0] == low.sum()
+    plain = _gpu_counts(ops, two_token_row(0.04), SamplingParams(temperature=1.0, min_p=1e-6),
+                        draws=20_000)
+    assert plain[1] > 600
+    high = two_token_row(0.06)                                                # H = 0.227 nats
+    counts = _gpu_counts(ops, high, adaptive, draws=20_000)
+    assert chi_square_p_value(counts, exact_distribution(high, adaptive)) > P_VALUE_FLOOR
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+def test_greedy_ties_go_to_the_lowest_token_id_like_np_argmax(ops, dtype):
+    """Exactly tied maximal logits, planted within a thread's stride, across warps and across
+    the row: the GPU argmax is np.argmax's (the lowest id), for bf16 and fp32 logits."""
+    import cupy as cp
+    rng = np.random.default_rng(11)
+    V, B = 248_320, 8
+    host = (rng.standard_normal((B, V)) * 2).astype(np.float32)
+    ties = [[7, 7 + 1024], [1023, 1024], [200_000, 3], [5, 6, 7], [V - 1, V - 2],
+            [40_000, 40_001, 100], [0, V - 1], [12_345]]
+    for b, ids in enumerate(ties):
+        host[b, ids] = 30.0
+    d = ops.asarray(host) if dtype == "bf16" else cp.asarray(host)
+    seen = (ops.to_numpy(d) if dtype == "bf16" else host).astype(np.float32)
+    toks = _sampler(ops, V, B).sample(d, [SamplingParams(temperature=0.0)] * B, np.zeros(B))
+    np.testing.assert_array_equal(toks, np.argmax(seen, axis=1))
+    np.testing.assert_array_equal(toks, [min(ids) for ids in ties])

@@ -2,7 +2,7 @@
 NPRM words per sampling row, laid out as kernels_cuda/sampling.cu reads them:
 
     f32  0 temperature   1 top_p   2 min_p   3 presence   4 frequency   5 repetition
-         6 top_n_sigma   7 (0)
+         6 top_n_sigma   7 adaptive entropy threshold, nats (0 = off; metrale.sampling)
     i32  8 top_k (0 = off)   9, 10 seed (low, high 32 bits)   11 step (mod 2^32)
         12 slot (-1: none)   13 has penalties   14 logprobs k (-1: off)   15 (0)
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from metrale._hot.pack import gather_param_rows
+from metrale.sampling import ADAPTIVE_ENTROPY_NATS
 
 NPRM = 16
 MAX_LOGPROBS = 20
@@ -79,8 +80,9 @@ class SamplerParamRows:
     def _pack_row(self, p, slot: int, row: np.ndarray) -> None:
         seed = self._seed(p, slot)
         row[:] = 0
-        row.view(np.float32)[:7] = (p.temperature, p.top_p, p.min_p, p.presence_penalty,
-                                    p.frequency_penalty, p.repetition_penalty, p.top_n_sigma)
+        row.view(np.float32)[:8] = (p.temperature, p.top_p, p.min_p, p.presence_penalty,
+                                    p.frequency_penalty, p.repetition_penalty, p.top_n_sigma,
+                                    ADAPTIVE_ENTROPY_NATS if p.adaptive_sampling else 0.0)
         row[8] = p.top_k if 0 < p.top_k < self.vocab_size else 0
         row[9] = np.uint32(seed & 0xFFFFFFFF).view(np.int32)
         row[10] = np.uint32(seed >> 32).view(np.int32)

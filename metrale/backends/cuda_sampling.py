@@ -8,10 +8,12 @@ one device->host copy of the result per step (kernels_cuda/sampling.cu states th
 
 Order of the rules per row (HF's logits-processor order): repetition penalty (prompt and output
 tokens), presence/frequency penalties (output tokens), temperature (0 = greedy argmax, lowest
-id on ties), then the kept set is the intersection of top-k (ties at the k-th value kept),
-top-p (over the top-k set's renormalised distribution: the shortest run of the largest values
-whose mass reaches top_p), min-p (p >= min_p * p_max) and top-n-sigma (l >= max - n*std), and
-the token is argmax(l + Gumbel) over it: an exact draw from the renormalised softmax.
+id on ties), then the kept set, in metrale/sampling.py's order: top-n-sigma (l >= max - n*std),
+top-k of its survivors (ties at the k-th value kept), top-p over the survivors' renormalised
+distribution (the shortest run of the largest values whose mass reaches top_p), min-p
+(p >= min_p * p_max); with adaptive_sampling a kept set of entropy < ADAPTIVE_ENTROPY_NATS
+takes the argmax, else the token is argmax(l + Gumbel) over it: an exact draw from the
+renormalised softmax (the noise is never +inf: kernels_cuda/sampling.cu).
 
 Randomness: Philox4x32-10 keyed by the row's seed, counter (token id / 4, step). The same
 (seed, step) gives the same token whatever the batch; rows without a seed get one drawn from
