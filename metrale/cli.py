@@ -380,6 +380,7 @@ def cmd_serve(args) -> int:
         cache_dir=args.cache_dir,
         model_name=args.model_name or (DEFAULT_MODEL_NAME if model == _maybe_default() else None),
         journal_dir=journal, disable_template_overrides=args.disable_template_overrides,
+        chat_template=_chat_template_arg(args.chat_template),
         load_format=args.load_format,
         frontend={"disable_thinking": args.disable_thinking,
                   "tool_call_parser": args.tool_call_parser,
@@ -388,6 +389,19 @@ def cmd_serve(args) -> int:
     fspec = frontend_spec(args, addresses.to_dict())
     check_port_free(args.host, args.port)
     return serve.serve(spec, fspec, ipc_dir)
+
+
+def _chat_template_arg(value: str | None) -> str | None:
+    """--chat-template: an existing file's absolute path (the engine may run elsewhere), or the
+    template text itself; anything else is refused before the model loads."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        return os.path.abspath(value)
+    if "{{" in value or "{%" in value:
+        return value
+    raise CLIError(f"--chat-template {value!r}: no such file, and not Jinja template text "
+                   "(no {{ or {% in it)")
 
 
 def _maybe_default() -> str | None:

@@ -107,6 +107,8 @@ def _build_server(spec: EngineSpec, journal):
                                       disable_overrides=spec.disable_template_overrides)
         chat_template = template.sources.get("default") or next(iter(template.sources.values()))
     except ChatTemplateError as e:
+        if spec.chat_template is not None:
+            raise                  # the operator's --chat-template must work, or nothing starts
         log.warning("no chat template (%s): /v1/chat/completions will refuse requests", e)
         chat_template = None
     config = EngineConfig(**spec.engine_config)

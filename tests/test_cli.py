@@ -133,7 +133,7 @@ def test_auth_and_rate_limits(tmp_path):
 
 def test_serve_help_shows_every_default():
     out = met("serve", "--help").stdout
-    for text in ("(default: 8888)", "(default: 127.0.0.1", "(default: 32768)",
+    for text in ("(default: 8888)", "(default 127.0.0.1", "(default: 32768)",
                  "(default: off)", "(default: 300.0)"):
         assert text in " ".join(out.split()), text
     # every option line carries its default
@@ -202,5 +202,28 @@ def test_an_auth_token_without_require_auth_turns_auth_on(tmp_path):
         models = srv.url + "/v1/models"
         assert requests.get(models).status_code == 401
         assert requests.get(models, headers={"Authorization": "Bearer k1"}).status_code == 200
+    finally:
+        assert srv.stop() == 0
+
+
+def test_chat_template_flag_is_checked_before_the_model_loads(tmp_path):
+    out = met("serve", "/nonexistent", "--chat-template", "no-such-template.jinja")
+    assert out.returncode == 2 and "--chat-template" in out.stderr and "no such file" in out.stderr
+
+
+def test_chat_template_flag_renders_the_served_prompt(tmp_path):
+    """The tiny model's tokenizer is one token per byte: the prompt token count shows which
+    template rendered the conversation."""
+    model = make_tiny_chat_model(tmp_path / "tiny")
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}")
+    srv = Server(["serve", str(model), "--frontends", "1", "--max-seq-len", "256",
+                  "--no-event-log", "--chat-template", str(template)], tmp_path / "serve.log")
+    try:
+        srv.wait_healthy()
+        r = requests.post(srv.url + "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "abc"}], "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len("<<abc>>")
     finally:
         assert srv.stop() == 0
