@@ -296,3 +296,202 @@ def make_qwen2_5_instruct(path, max_position_embeddings: int = 4096) -> str:
     with open(os.path.join(path, "chat_template.jinja"), "w", encoding="utf-8") as f:
         f.write(QWEN2_5_CHAT_TEMPLATE)
     return str(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantized checkpoints, in each producer's exact on-disk format
+
+QUANT_FORMATS = ("fp8-block", "ct-fp8-channel", "ct-fp8-tensor", "ct-nvfp4", "modelopt-fp8",
+                 "modelopt-nvfp4")
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+            "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "mlp.gate.",
+            "shared_expert_gate")
+E2M1_BOUNDS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
+E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, 0, -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def _is_linear(name: str) -> bool:
+    return (name.endswith(".weight") and ".layers." in name and "visual" not in name
+            and any(k in name for k in _LINEARS))
+
+
+def quantize_tiny(src, dst, fmt: str, keep: tuple[str, ...] = (), block=(32, 32)) -> str:
+    """Copy the tiny checkpoint `src` to `dst` with its linear layers' weights in `fmt` (one of
+    QUANT_FORMATS); weights whose name contains one of `keep` stay in the source dtype and are
+    named in the format's ignore list (mixed checkpoints). Writes `dst`-dequantised too: the
+    same checkpoint with every quantized weight replaced by its dequantisation, computed by the
+    producer's own decompressor where it runs on the CPU (compressed-tensors), else by a
+    transcription of the producer's dequantize (ModelOpt NVFP4QTensor / FP8QTensor,
+    transformers' Fp8Dequantize). Returns `dst`."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(os.path.join(src, "model.safetensors"))
+    quantized, dequantised = {}, {}
+    kept = sorted({n.rsplit(".", 1)[0] for n in state if _is_linear(n) and any(k in n for k in keep)})
+    for name, w in state.items():
+        if not _is_linear(name) or any(k in name for k in keep):
+            quantized[name] = dequantised[name] = w
+            continue
+        stored, deq = _QUANTIZERS[fmt](w.float(), block)
+        quantized.update({name[: -len("weight")] + k: v for k, v in stored.items()})
+        dequantised[name] = deq.to(w.dtype)
+    for folder, tensors in ((dst, quantized), (f"{dst}-dequantised", dequantised)):
+        shutil.copytree(src, folder, dirs_exist_ok=True)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(folder, "model.safetensors"),
+                  metadata={"format": "pt"})
+    config = json.load(open(os.path.join(dst, "config.json")))
+    _QUANT_CONFIGS[fmt](config, dst, kept, block)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return str(dst)
+
+
+def _fp8_block(w, block):
+    """transformers fine-grained FP8 (what its FP8Linear holds): e4m3 weight, fp32
+    weight_scale_inv = amax / 448 per (br, bc) block (ceil-divided grid); the dequantisation is
+    Fp8Dequantize's: weight * scale per block."""
+    import torch
+
+    br, bc = block
+    rows, cols = w.shape
+    sr, sc = -(-rows // br), -(-cols // bc)
+    padded = torch.zeros(sr * br, sc * bc)
+    padded[:rows, :cols] = w
+    blocks = padded.reshape(sr, br, sc, bc)
+    scale = blocks.abs().amax(dim=(1, 3)) / 448.0
+    scale[scale == 0] = 1.0
+    q = (blocks / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    deq = (q.float() * scale[:, None, :, None]).reshape(sr * br, sc * bc)[:rows, :cols]
+    return {"weight": q.reshape(sr * br, sc * bc)[:rows, :cols].contiguous(), "weight_scale_inv": scale}, deq
+
+
+def _ct_fp8(strategy):
+    def quantize(w, block):
+        """compressed-tensors' own FloatQuantizationCompressor, scales from its calculate_qparams."""
+        from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
+        from compressed_tensors.quantization.utils import calculate_qparams
+
+        scheme = _ct_scheme(f"ct-fp8-{strategy}")
+        lo, hi = (w.amin(), w.amax()) if strategy == "tensor" else (w.amin(1, keepdim=True), w.amax(1, keepdim=True))
+        scale, zp = calculate_qparams(lo.reshape(-1), hi.reshape(-1), scheme.weights)
+        scale = scale.reshape(() if strategy == "tensor" else (-1, 1)).reshape(-1, 1) if strategy == "channel" else scale.reshape(1)
+        state = FloatQuantizationCompressor.compress({"weight": w, "weight_scale": scale}, scheme)
+        state = {k: v for k, v in state.items() if k in ("weight", "weight_scale")}
+        if strategy == "tensor":          # the FP8 preset is W8A8 with a static input scale
+            import torch
+            state["input_scale"] = torch.tensor([0.02])
+        deq = FloatQuantizationCompressor.decompress(dict(state), scheme)["weight"]
+        return state, deq.float()
+    return quantize
+
+
+def _ct_nvfp4(w, block):
+    """compressed-tensors' own NVFP4PackedCompressor; global scale from its generate_gparam,
+    per-16 scales from calculate_qparams, rounded to e4m3 first (as stored)."""
+    import torch
+    from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+
+    scheme = _ct_scheme("ct-nvfp4")
+    rows, cols = w.shape
+    g = generate_gparam(w.min(), w.max())
+    groups = w.reshape(rows, cols // 16, 16)
+    scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights, global_scale=g)
+    scale = scale.to(torch.float8_e4m3fn).float()
+    state = NVFP4PackedCompressor.compress({"weight": w, "weight_scale": scale, "weight_global_scale": g}, scheme)
+    # the compressor's own decompress, in fp32 (its default unpacks to bf16)
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    values = unpack_fp4_from_uint8(state["weight_packed"], rows, cols, dtype=torch.float32)
+    deq = dequantize(x_q=values, scale=state["weight_scale"].float(), args=scheme.weights,
+                     dtype=torch.float32, global_scale=state["weight_global_scale"])
+    return dict(state), deq
+
+
+def _ct_scheme(fmt):
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    return preset_name_to_scheme({"ct-fp8-channel": "FP8_DYNAMIC", "ct-fp8-tensor": "FP8",
+                                  "ct-nvfp4": "NVFP4A16"}[fmt], ["Linear"])
+
+
+def _modelopt_fp8(w, block):
+    """ModelOpt FP8 (FP8QTensor): per-tensor weight_scale = amax / 448, e4m3 weight, a static
+    input_scale; dequantised as weight * weight_scale."""
+    import torch
+
+    scale = (w.abs().amax() / 448.0).reshape(())
+    q = (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return {"weight": q, "weight_scale": scale, "input_scale": torch.tensor(0.02)}, q.float() * scale
+
+
+def _modelopt_nvfp4(w, block):
+    """ModelOpt NVFP4 (NVFP4QTensor.quantize, transcribed): weight_scale_2 = amax / (6 * 448),
+    weight_scale = block amax / (6 * weight_scale_2) in e4m3 (zeros -> 1), e2m1 codes by
+    searchsorted over the bounds with ties at 0.75 / 1.75 / 2.5 rounded up, packed
+    (q[1::2] << 4) | q[0::2]; dequantised e2m1 * weight_scale * weight_scale_2."""
+    import torch
+
+    rows, cols = w.shape
+    scale_2 = w.abs().amax().float() / (6.0 * 448.0)
+    groups = w.reshape(rows, cols // 16, 16)
+    scale = groups.abs().amax(-1) / (6.0 * scale_2)
+    scale[scale == 0] = 1.0
+    scale = scale.to(torch.float8_e4m3fn)
+    scaled = (groups / (scale.float() * scale_2)[..., None]).reshape(rows, cols)
+    bounds = torch.from_numpy(E2M1_BOUNDS)
+    sign = (scaled < 0).to(torch.uint8)
+    mag = scaled.abs()
+    code = torch.searchsorted(bounds, mag, out_int32=True).to(torch.uint8)
+    code = code + torch.any(mag.unsqueeze(-1) == bounds[[1, 3, 5]], dim=-1).to(torch.uint8)
+    code = (sign << 3) + code
+    packed = (code[:, 1::2] << 4) | code[:, 0::2]
+    values = torch.from_numpy(E2M1)[code.long()].reshape(rows, cols // 16, 16)
+    deq = (values * (scale.float() * scale_2)[..., None]).reshape(rows, cols)
+    return {"weight": packed, "weight_scale": scale, "weight_scale_2": scale_2.reshape(()),
+            "input_scale": torch.tensor(0.01)}, deq
+
+
+_QUANTIZERS = {"fp8-block": _fp8_block, "ct-fp8-channel": _ct_fp8("channel"),
+               "ct-fp8-tensor": _ct_fp8("tensor"), "ct-nvfp4": _ct_nvfp4,
+               "modelopt-fp8": _modelopt_fp8, "modelopt-nvfp4": _modelopt_nvfp4}
+
+
+def _config_fp8_block(config, dst, kept, block):
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block), "modules_to_not_convert": kept or None}
+
+
+def _config_ct(fmt):
+    def write(config, dst, kept, block):
+        from compressed_tensors.quantization import QuantizationConfig
+
+        ct_format = "nvfp4-pack-quantized" if fmt == "ct-nvfp4" else "float-quantized"
+        qc = QuantizationConfig(config_groups={"group_0": _ct_scheme(fmt)}, format=ct_format,
+                                ignore=["lm_head", *kept], quantization_status="compressed")
+        config["quantization_config"] = qc.model_dump(mode="json")
+    return write
+
+
+def _config_modelopt_fp8(config, dst, kept, block):
+    config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "FP8",
+                                     "ignore": ["lm_head", *kept]}
+
+
+def _config_modelopt_nvfp4(config, dst, kept, block):
+    import json
+
+    with open(os.path.join(dst, "hf_quant_config.json"), "w") as f:
+        json.dump({"producer": {"name": "modelopt", "version": "0.37.0"},
+                   "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None,
+                                    "group_size": 16, "exclude_modules": ["lm_head", *kept]}}, f, indent=2)
+
+
+_QUANT_CONFIGS = {"fp8-block": _config_fp8_block, "ct-fp8-channel": _config_ct("ct-fp8-channel"),
+                  "ct-fp8-tensor": _config_ct("ct-fp8-tensor"), "ct-nvfp4": _config_ct("ct-nvfp4"),
+                  "modelopt-fp8": _config_modelopt_fp8, "modelopt-nvfp4": _config_modelopt_nvfp4}

@@ -4,14 +4,22 @@ every op in metrale.backends.base.Ops; the CUDA backend is tested op by op again
 Storage dtype is fp32 by default (any numpy dtype, e.g. ml_dtypes.bfloat16, is accepted for
 storage; all math runs in fp32 and results are cast back to the storage dtype). Index arrays in a
 ForwardBatch stay host numpy arrays, so `upload_batch` is the identity.
+
+Quantized weights (metrale.models.quant) stay typed objects in the model; the ops that take
+weights (linear, lm_head, embedding, moe) dequantise each to fp32 the first time they see it and
+keep that copy (`_dense`): the same memory and per-step cost as a bf16 checkpoint on this
+backend, while `linear(x, QuantizedTensor)` stays the op a CUDA kernel is tested against.
 """
 from __future__ import annotations
+
+import weakref
 
 import numba
 import numpy as np
 
 from metrale.backends.base import compose_gated_delta_rule_with_gates, compose_qk_norm_rope_write_kv
 from metrale.forward import ForwardBatch
+from metrale.models.quant import is_quantized
 
 F32 = np.float32
 GDN_CHUNK = 64          # chunk length of the WY (chunked) gated delta rule
@@ -148,9 +156,20 @@ class CpuOps:
 
     def __init__(self, dtype=np.float32):
         self.dtype = np.dtype(dtype)
+        self._dequantised = weakref.WeakKeyDictionary()
+
+    def _dense(self, w):
+        """A weight as an array: quantized ones dequantised to fp32 once, then cached."""
+        if not is_quantized(w):
+            return w
+        if w not in self._dequantised:
+            self._dequantised[w] = w.dequantize().astype(F32)
+        return self._dequantised[w]
 
     # -- data movement ---------------------------------------------------------------------
     def asarray(self, x, dtype=None):
+        if is_quantized(x):
+            return x             # stays typed; the weight ops dequantise it (_dense)
         return np.ascontiguousarray(np.asarray(x).astype(dtype or self.dtype, copy=False))
 
     def to_numpy(self, x):
@@ -170,7 +189,7 @@ class CpuOps:
 
     # -- elementwise / norms ---------------------------------------------------------------
     def embedding(self, ids, table):
-        return table[np.asarray(ids)]
+        return self._dense(table)[np.asarray(ids)]
 
     def rms_norm(self, x, w, eps, offset):
         return self._out(_rms(x, eps) * (F32(offset) + _f32(w)))
@@ -189,7 +208,7 @@ class CpuOps:
 
     # -- matrices --------------------------------------------------------------------------
     def linear(self, x, w, bias=None):
-        y = _f32(x) @ _f32(w).T
+        y = _f32(x) @ _f32(self._dense(w)).T
         if bias is not None:
             y = y + _f32(bias)
         return self._out(y)
@@ -198,7 +217,7 @@ class CpuOps:
         return self.linear(x, w)   # nothing to defer on the CPU
 
     def lm_head(self, x, w):
-        return _f32(x) @ _f32(w).T          # fp32 logits, never rounded to the model dtype
+        return _f32(x) @ _f32(self._dense(w)).T          # fp32 logits, never rounded to the model dtype
 
     # -- attention -------------------------------------------------------------------------
     def head_rms_norm(self, x, w, eps, offset):
@@ -298,6 +317,7 @@ class CpuOps:
     # -- mixture of experts ----------------------------------------------------------------
     def moe(self, x, router_w, gate_up, down, top_k, renormalize, shared=False):
         x32 = _f32(x)
+        router_w, gate_up, down = self._dense(router_w), self._dense(gate_up), self._dense(down)
         logits = x32 @ _f32(router_w).T
         n_routed = logits.shape[1] - int(bool(shared))
         weights, experts = _route(logits[:, :n_routed], top_k, renormalize)

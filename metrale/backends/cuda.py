@@ -32,6 +32,8 @@ from metrale.backends.base import compose_qk_norm_rope_write_kv
 from metrale.backends.cublaslt import KSPLIT_S
 from metrale.backends.launch import foreign_launch
 from metrale.forward import ForwardBatch, prefill_work_list
+from metrale.models.checkpoint import CheckpointError
+from metrale.models.quant import is_quantized
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
@@ -182,6 +184,15 @@ def _block_for(per_row: int) -> int:
     return min(1024, max(32, -(-per_row // 32) * 32))
 
 
+def refuse_quantized(x) -> None:
+    """Weight upload refuses quantized tensors (metrale.models.quant) until kernels that read
+    them packed exist: never dequantised into a bf16 copy, never read as bf16."""
+    if is_quantized(x):
+        raise CheckpointError(
+            f"FP8/NVFP4 kernels are not in this build yet: this checkpoint holds {x.scheme} "
+            f"weights {tuple(x.shape)}; serve this checkpoint with --device cpu")
+
+
 def _host_of(batch: ForwardBatch) -> ForwardBatch | None:
     if isinstance(batch.query_start_loc, np.ndarray):
         return batch
@@ -258,6 +269,7 @@ class CudaOps:
 
     # -- data movement ---------------------------------------------------------------------
     def asarray(self, x, dtype=None):
+        refuse_quantized(x)
         dt = np.dtype(dtype) if dtype is not None else self.dtype
         if isinstance(x, self.cp.ndarray):
             if x.dtype == dt:

@@ -152,9 +152,10 @@ class Attention:
 
 
 def _split_gated_q(q: np.ndarray, n_heads: int, head_dim: int) -> np.ndarray:
-    """HF gated q_proj rows are per head [q (D) | gate (D)]; regroup to [all q | all gates]."""
-    per_head = q.reshape(n_heads, 2, head_dim, q.shape[-1])
-    return np.concatenate([per_head[:, 0].reshape(-1, q.shape[-1]), per_head[:, 1].reshape(-1, q.shape[-1])])
+    """HF gated q_proj rows are per head [q (D) | gate (D)]; regroup to [all q | all gates]
+    (a row gather, so quantized weights regroup the same way)."""
+    rows = np.arange(n_heads * 2 * head_dim).reshape(n_heads, 2, head_dim)
+    return q[np.concatenate([rows[:, 0].ravel(), rows[:, 1].ravel()])]
 
 
 class DenseMLP:

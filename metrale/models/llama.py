@@ -15,11 +15,10 @@ metrale.models.rope does not know.
 from __future__ import annotations
 
 from metrale.cache.kv import AttentionSpec, CacheSpec
-import numpy as np
-
 from metrale.models.checkpoint import Checkpoint, CheckpointError
 from metrale.models.layers import (Attention, AttentionShape, CausalLM, DecoderLayer, DenseMLP,
                                    NormSpec, Weights, head_dim_of, load_embeddings, require_silu)
+from metrale.models.quant import scale_weight
 from metrale.models.rope import rope_from_config
 
 
@@ -57,7 +56,7 @@ class _ScaledQuery(Weights):
         value = super().host(name, shape)
         if name not in self.names:
             return value
-        return (value.astype(np.float32) * self.scale).astype(value.dtype)
+        return scale_weight(value, self.scale)
 
 
 def _attention_weights(w: Weights, attention_factor: float, qk_norm: bool) -> Weights:

@@ -18,6 +18,7 @@ naming the file and what is wrong with it.
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 import os
 import re
@@ -29,6 +30,9 @@ import ml_dtypes
 import numpy as np
 
 from metrale.models.checkpoint import Checkpoint, CheckpointError
+from metrale.models.quant import describe_weight_groups, read_quant_config, weight_groups
+
+log = logging.getLogger("metrale.models.loader")
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3", "qwen2", "llama")
 
@@ -173,6 +177,10 @@ def load_hf_folder(folder: str, name: str, weights: bool = True) -> Checkpoint:
     `weights=False` skips the safetensors (the dummy load format needs none)."""
     config = read_text_config(folder)
     tensors = SafetensorsTensors(_safetensors_files(folder) if weights else [])
+    quant = read_quant_config(config, folder) if weights else None
+    if weights:
+        log.info("%s: %s%s", folder, f"{quant.describe}; " if quant else "",
+                 describe_weight_groups(weight_groups(tensors, quant)))
     tokenizer_config = _read_json_if_present(os.path.join(folder, "tokenizer_config.json")) or {}
     tokenizer_json = os.path.join(folder, "tokenizer.json")
     return Checkpoint(
@@ -185,6 +193,7 @@ def load_hf_folder(folder: str, name: str, weights: bool = True) -> Checkpoint:
         tokenizer_config=tokenizer_config,
         chat_template=read_chat_template(folder, tokenizer_config),
         tensor_files=tensors.files,
+        quant=quant,
     )
 
 
@@ -384,6 +393,14 @@ class SafetensorsTensors(Mapping):
 
     def __contains__(self, name: object) -> bool:
         return name in self._entries
+
+    def dtype(self, name: str) -> np.dtype:
+        """The stored dtype of `name`, from the header (nothing is read)."""
+        return self._entries[name].dtype
+
+    def nbytes(self, name: str) -> int:
+        entry = self._entries[name]
+        return int(np.prod(entry.shape, dtype=np.int64)) * entry.dtype.itemsize
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._entries)
