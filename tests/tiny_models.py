@@ -378,7 +378,7 @@ def _ct_fp8(strategy):
         scheme = _ct_scheme(f"ct-fp8-{strategy}")
         lo, hi = (w.amin(), w.amax()) if strategy == "tensor" else (w.amin(1, keepdim=True), w.amax(1, keepdim=True))
         scale, zp = calculate_qparams(lo.reshape(-1), hi.reshape(-1), scheme.weights)
-        scale = scale.reshape(() if strategy == "tensor" else (-1, 1)).reshape(-1, 1) if strategy == "channel" else scale.reshape(1)
+        scale = scale.reshape(-1, 1) if strategy == "channel" else scale.reshape(1)   # as ct stores them
         state = FloatQuantizationCompressor.compress({"weight": w, "weight_scale": scale}, scheme)
         state = {k: v for k, v in state.items() if k in ("weight", "weight_scale")}
         if strategy == "tensor":          # the FP8 preset is W8A8 with a static input scale
