@@ -8,9 +8,11 @@ engine when its heartbeats stop.
 """
 from __future__ import annotations
 
+from gunicorn.glogging import Logger
 from uvicorn_worker import UvicornWorker
 
 from metrale import levers
+from metrale.engine_main import LOG_FORMAT
 
 GRACEFUL_TIMEOUT_S = 5
 
@@ -28,6 +30,13 @@ class MetraleWorker(UvicornWorker):
     }
 
 
+class MetraleLogger(Logger):
+    """gunicorn's (and, through UvicornWorker, uvicorn's) lines in the engine's format: one log
+    format for the whole `met serve` output."""
+    error_fmt = LOG_FORMAT
+    datefmt = None
+
+
 def options(bind: str, workers: int, log_level: str = "info") -> dict:
     return {
         "bind": bind,
@@ -39,6 +48,7 @@ def options(bind: str, workers: int, log_level: str = "info") -> dict:
         "loglevel": log_level,
         "accesslog": None,
         "errorlog": "-",
+        "logger_class": "frontends.gunicorn_conf.MetraleLogger",
         # gunicorn's own HTTP parser is not used by uvicorn workers: no limit_request_* here;
         # header limits are frontends.limits (h11's max_incomplete_event_size and InputLimits)
         "proc_name": "metrale-frontend",

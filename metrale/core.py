@@ -56,6 +56,28 @@ class StepStats:
     seconds: float
 
 
+def weight_bytes(model) -> int:
+    """Bytes of the arrays a built model holds (each array once: tied embeddings count once),
+    found by walking its attributes; the backend and the config are not the model's."""
+    seen: set[int] = set()
+    total = 0
+    stack = [model]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+            continue
+        seen.add(id(obj))
+        if hasattr(obj, "nbytes") and hasattr(obj, "shape") and hasattr(obj, "dtype"):
+            total += int(obj.nbytes)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif hasattr(obj, "__dict__"):
+            stack.extend(v for k, v in vars(obj).items() if k not in ("ops", "config"))
+    return total
+
+
 class EngineCore:
     def __init__(self, ckpt: Checkpoint, config: EngineConfig | None = None):
         self.config = (config or EngineConfig()).validate()
@@ -97,9 +119,9 @@ class EngineCore:
             self._warm_up()
         log.info("engine seed %d (%s)", self.seed,
                  "--seed" if self.config.seed is not None else "from the OS; --seed N repeats a run")
-        log.info("engine ready: %s on %s; KV pool %d blocks x %d tokens (%.1f MiB), "
-                 "state pool %d rows (%.1f MiB)", ckpt.model_type, self.ops.name, num_blocks,
-                 self.config.block_size,
+        log.info("engine ready: %s on %s; weights %.1f MiB, KV pool %d blocks x %d tokens "
+                 "(%.1f MiB), state pool %d rows (%.1f MiB)", ckpt.model_type, self.ops.name,
+                 weight_bytes(self.model) / 2**20, num_blocks, self.config.block_size,
                  num_blocks * spec.kv_bytes_per_block(self.config.block_size, self.ops.dtype) / 2**20,
                  num_slots, num_slots * spec.state_bytes_per_slot(self.ops.dtype, self.ssm_dtype) / 2**20)
 

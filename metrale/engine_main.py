@@ -24,6 +24,8 @@ from metrale import levers
 from metrale.config import EngineConfig
 
 log = logging.getLogger("metrale.engine")
+# the one log line format of every Metrale process (the frontends' gunicorn and uvicorn too)
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 @dataclass
@@ -165,7 +167,7 @@ def _progress_bar(spec: EngineSpec, ckpt):
 def setup_logging() -> None:
     level = str(levers.get("METRALE_LOG_LEVEL")).upper()
     logging.basicConfig(stream=sys.stderr, level=getattr(logging, level, logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        format=LOG_FORMAT)
 
 
 def main(argv: list[str] | None = None) -> int:

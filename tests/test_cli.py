@@ -227,3 +227,32 @@ def test_chat_template_flag_renders_the_served_prompt(tmp_path):
         assert r.json()["usage"]["prompt_tokens"] == len("<<abc>>")
     finally:
         assert srv.stop() == 0
+
+
+def test_startup_log_is_one_format_without_warnings_for_defaults(tmp_path):
+    """Engine, gunicorn and uvicorn lines share one format; the weights' memory is logged next
+    to the KV and state pools; a default --max-seq-len above the model's positions is capped
+    and said once at info level, and nothing at startup is a warning."""
+    import re
+    import time as _time
+
+    model = make_tiny_chat_model(tmp_path / "tiny")        # 4096 positions < the 32768 default
+    srv = Server(["serve", str(model), "--frontends", "1", "--no-event-log"],
+                 tmp_path / "serve.log", env={"METRALE_LOG_LEVEL": "info"})
+    try:
+        srv.wait_healthy()
+        requests.post(srv.url + "/v1/completions", json={"prompt": "a", "max_tokens": 1})
+        _time.sleep(0.5)
+    finally:
+        assert srv.stop() == 0
+    text = (tmp_path / "serve.log").read_text(errors="replace")
+    lines = [ln for ln in text.replace("\r", "\n").splitlines()
+             if ln.strip() and not ln.lstrip().startswith("loading ")]    # the tqdm load bar
+    line = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR) [\w.]+: ")
+    odd = [ln for ln in lines if not line.match(ln)]
+    assert not odd, odd[:5]
+    assert not [ln for ln in lines if " WARNING " in ln], [ln for ln in lines if " WARNING " in ln]
+    caps = [ln for ln in lines if "--max-seq-len" in ln]
+    assert len(caps) == 1 and " INFO " in caps[0] and "4096" in caps[0], caps
+    ready = [ln for ln in lines if "engine ready" in ln]
+    assert len(ready) == 1 and "weights" in ready[0] and "KV pool" in ready[0], ready
