@@ -10,7 +10,6 @@ layouts (rows of an [out, in] matrix):
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,9 +17,6 @@ import numpy as np
 from metrale.cache.kv import CacheSpec, ModelCaches
 from metrale.forward import ForwardBatch
 from metrale.models.checkpoint import Checkpoint, CheckpointError
-
-ROPE_TYPES = ("default", "linear", "llama3")
-
 
 # -- weights ---------------------------------------------------------------------------------
 
@@ -60,38 +56,6 @@ def require_silu(config: dict, path: str) -> None:
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise CheckpointError(f"{path}: hidden_act {act!r} is not supported (only 'silu')")
-
-
-def rope_inv_freq(config: dict, head_dim: int, default_partial: float = 1.0) -> tuple[np.ndarray, int]:
-    """(inv_freq [rotary_dim // 2] fp32, rotary_dim) from `rope_parameters` (transformers 5) or
-    the legacy top-level `rope_theta` / `rope_scaling`. Scaling: default, linear, llama3."""
-    params = dict(config.get("rope_scaling") or {})
-    params.update(config.get("rope_parameters") or {})
-    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
-    partial = float(params.get("partial_rotary_factor", config.get("partial_rotary_factor", default_partial)))
-    rotary_dim = int(head_dim * partial)
-    inv_freq = 1.0 / theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
-    kind = params.get("rope_type") or params.get("type") or "default"
-    if kind == "linear":
-        inv_freq = inv_freq / float(params["factor"])
-    elif kind == "llama3":
-        inv_freq = _llama3_scaling(inv_freq, params, config)
-    elif kind != "default":
-        raise CheckpointError(f"rope type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
-    return inv_freq.astype(np.float32), rotary_dim
-
-
-def _llama3_scaling(inv_freq: np.ndarray, params: dict, config: dict) -> np.ndarray:
-    """Llama 3.1 frequency-dependent scaling (HF _compute_llama3_parameters)."""
-    factor = float(params["factor"])
-    low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
-    old_len = float(params.get("original_max_position_embeddings", config.get("max_position_embeddings")))
-    wavelen = 2 * math.pi / inv_freq
-    scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return np.where(medium, smoothed, scaled)
 
 
 @dataclass(frozen=True)
