@@ -10,9 +10,14 @@ Liveness, both ways, independent of request work:
   worker whose event loop is busy (a huge prompt being tokenized) is not declared dead and its
   other streams are not aborted. When the heartbeats stop (the worker was killed), the engine
   aborts its requests.
-* engine -> frontend: the engine echoes every heartbeat on our output topic. The engine is lost
-  when the output connection closes (a ZeroMQ monitor event: a killed engine is noticed at once,
-  over ipc:// and tcp://) or when nothing has come for ENGINE_SILENCE_S. Then every open request
+* engine -> frontend: the engine is lost when the output connection closes (a ZeroMQ monitor
+  event: a killed engine is noticed at once, over ipc:// and tcp://; a host that vanished
+  without closing it stops answering the connection's ZMTP heartbeats, which libzmq's I/O
+  threads exchange whatever the engine's step loop is doing, and the connection is closed after
+  ZMTP_HEARTBEAT_TIMEOUT_MS), or, as a backstop for an engine process that is alive but hung,
+  when not even an echo of our heartbeats has come for ENGINE_SILENCE_S while requests are
+  open. That backstop is long on purpose: one CPU prefill step of 8192 tokens can take tens of
+  seconds, and the engine echoes only between steps. Then every open request
   of this worker gets an error delta (503) at once, and `on_lost` is called; new submits are
   refused with EngineUnavailable until the engine is heard again.
 
@@ -38,7 +43,9 @@ from metrale import wire
 log = logging.getLogger("metrale.client")
 
 HEARTBEAT_INTERVAL_S = 1.0
-ENGINE_SILENCE_S = 5.0         # no echo for this long while requests are open: the engine is gone
+ENGINE_SILENCE_S = 120.0       # no echo for this long while requests are open: the engine hangs
+ZMTP_HEARTBEAT_IVL_MS = 1000   # connection-level pings, answered by the engine's libzmq I/O thread
+ZMTP_HEARTBEAT_TIMEOUT_MS = 3000
 WATCH_INTERVAL_S = 0.25
 
 
@@ -86,6 +93,8 @@ class AsyncEngineClient:
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.RCVHWM, 0)
         self.sub.setsockopt(zmq.SUBSCRIBE, self.frontend_id.encode())
+        self.sub.setsockopt(zmq.HEARTBEAT_IVL, ZMTP_HEARTBEAT_IVL_MS)
+        self.sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMTP_HEARTBEAT_TIMEOUT_MS)
         self._monitor = self.sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.sub.connect(addresses["output"])
         self._control_lock = asyncio.Lock()
@@ -152,8 +161,8 @@ class AsyncEngineClient:
                 self.engine_gone("the connection to the engine closed")
 
     async def _watch_silence(self) -> None:
-        """No echo for ENGINE_SILENCE_S: the engine (or its host) is gone. A pause of this
-        loop itself is not the engine's silence: after one, the clock starts again."""
+        """No echo for ENGINE_SILENCE_S: the engine's loop hangs. A pause of this loop itself is
+        not the engine's silence: after one, the clock starts again."""
         loop = asyncio.get_running_loop()
         tick = loop.time()
         while True:
