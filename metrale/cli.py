@@ -311,13 +311,13 @@ def _parse_tcp(url: str, flag: str) -> tuple[str, int]:
         raise CLIError(f"{flag}: port {port!r} is not a number") from None
 
 
-def frontend_spec(args, engine_addresses: dict) -> dict:
+def frontend_spec(args, engine_addresses: dict, tokens: list[str] | None = None) -> dict:
     from frontends.app import FrontendSettings
     from frontends.gunicorn_conf import body_timeout_s
 
     if args.frontends < 1:
         raise CLIError(f"--frontends must be >= 1, got {args.frontends}")
-    tokens = load_auth_tokens(args)
+    tokens = load_auth_tokens(args) if tokens is None else tokens
     settings = FrontendSettings(
         engine=engine_addresses, auth_tokens=tokens,
         require_auth=args.require_auth or bool(tokens),     # a key given means auth on
@@ -368,6 +368,8 @@ def cmd_serve(args) -> int:
         EngineConfig(**engine_config).validate()
     except ConfigError as e:
         raise CLIError(str(e)) from None
+    tokens = load_auth_tokens(args)
+    check_port_free(args.host, args.port)      # every flag checked; nothing made or loaded yet
     ipc_dir = None
     if args.engine_bind:
         addresses = EngineAddresses.tcp(*_parse_tcp(args.engine_bind, "--engine-bind"))
@@ -386,8 +388,7 @@ def cmd_serve(args) -> int:
                   "tool_call_parser": args.tool_call_parser,
                   "max_thinking_budget": args.max_thinking_budget,
                   "tool_max_tokens": args.tool_max_tokens})
-    fspec = frontend_spec(args, addresses.to_dict())
-    check_port_free(args.host, args.port)
+    fspec = frontend_spec(args, addresses.to_dict(), tokens)
     return serve.serve(spec, fspec, ipc_dir)
 
 
