@@ -38,7 +38,7 @@ def main():
     ap.add_argument("--ts", default="1,2,4,8,16,32")
     ap.add_argument("--no-sweep", action="store_true", help="only the engine's m1 tiling, not the others")
     args = ap.parse_args()
-    ops = CudaOps(moe_impl="mma")
+    ops = CudaOps()
     bw = bench_ceilings(ops)["copy_bytes_per_s"]
     nsets = 16
     gate_up = rand_bf16((E + 1, 2 * I, H), H ** -0.5)

@@ -87,7 +87,8 @@ def test_backend_kernel_names_exist(name, tmp_path):
         "elementwise": [f"{k}_{s}" for s in ("bf16", "f32") for k in
                         ("embedding", "rms_norm_vec", "rms_norm_scalar", "head_norm_rope", "silu_mul",
                          "sigmoid_mul", "write_kv", "bias_add")],
-        "attention": ["decode_reduce"] + [f"{k}_d{d}" for d in (64, 128, 256) for k in ("decode_attn", "prefill_attn")],
+        "attention": ["decode_reduce"] + [f"prefill_mma_d{d}" for d in (64, 128, 256)]
+                     + [f"decode_mma_d{d}_h{h}" for d in (64, 128, 256) for h in (1, 2)],
     }[name]
     missing = [k for k in want if k not in kernels]
     assert not missing, f"{name}.cu does not export {missing}"

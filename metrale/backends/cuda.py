@@ -43,17 +43,14 @@ KERNEL_DIR = Path(levers.get("METRALE_KERNELS_DIR") or Path(__file__).resolve().
 CACHE_DIR = Path(levers.get("METRALE_KERNEL_CACHE") or Path.home() / ".cache" / "metrale" / "kernels")
 NVCC_OPTIONS = ("-std=c++17", "-O3", "-lineinfo")   # no --use_fast_math: accuracy-sensitive kernels
 
-# attention tiling, must match kernels_cuda/attention.cu (MT_ATTN instantiations: "simt")
-ATTN_BK = {64: 64, 128: 64, 256: 32}
-DECODE_THREADS, PREFILL_THREADS, PREFILL_ROWS, MAX_G_PER_CTA = 128, 256, 64, 16
-# tensor-core kernels ("mma"; MT_PREFILL_MMA / MT_DECODE_MMA): prefill 8 warps x 16 rows, keys
+# attention tiling, must match kernels_cuda/attention.cu (MT_PREFILL_MMA / MT_DECODE_MMA):
+# tensor cores, prefill 8 warps x 16 rows, keys
 # in tiles of ATTN_MMA_BN[D], two stages; decode 4 warps, 16-key tiles, per-warp pipelines of
 # ATTN_MMA_DECODE_STAGES[D] stages, 8 or 16 q heads per CTA (kernel suffix _h1 / _h2)
 ATTN_MMA_BN = {64: 64, 128: 64, 256: 32}
 ATTN_MMA_ROWS, ATTN_MMA_THREADS = 128, 256
 ATTN_MMA_DECODE_STAGES = {64: 4, 128: 3, 256: 3}
 ATTN_MMA_DECODE_WARPS, ATTN_MMA_DECODE_TILE = 4, 16
-ATTN_IMPLS = ("mma", "simt")
 
 _SUFFIX = {BF16: "bf16", F32: "f32"}
 _NULL = np.uint64(0)
@@ -204,8 +201,7 @@ class CudaOps:
 
     name = "cuda"
 
-    def __init__(self, device: int | None = None, dtype=BF16, part_tokens: int | None = None,
-                 attn_impl: str = "mma", moe_impl: str = "mma"):
+    def __init__(self, device: int | None = None, dtype=BF16, part_tokens: int | None = None):
         import cupy
 
         self.cp = cupy
@@ -216,15 +212,6 @@ class CudaOps:
         self.kernels = KernelCache(self.arch)
         self.sm_count = cupy.cuda.runtime.getDeviceProperties(self.device.id)["multiProcessorCount"]
         self.part_tokens = part_tokens      # flash-decoding partition (keys per CTA); None = adaptive
-        # attention kernels: "mma" (tensor cores) or "simt" (CUDA-core fallback), for both paths,
-        # or per path as "decode=simt,prefill=mma"
-        self.attn_decode_impl, self.attn_prefill_impl = self._parse_attn_impl(attn_impl)
-        # MoE expert GEMMs (metrale.backends.cuda_gdn.moe): "mma" (tensor cores, bf16 only; fp32
-        # activations keep the simt kernels), 6-8x the simt tiles on the 35B-A3B expert shapes
-        # (H200, perf/bench_ops.py --moe-only), or "simt" (CUDA-core tiles)
-        if moe_impl not in ("simt", "mma"):
-            raise ValueError(f"moe_impl {moe_impl!r}: expected 'simt' or 'mma'")
-        self.moe_impl = moe_impl
         self.poison = levers.get("METRALE_CUDA_POISON") == "1"  # NaN-fill new outputs (tests)
         self._cublas = None
         self._smem_set: set = set()
@@ -666,22 +653,6 @@ class CudaOps:
             shared_mem=warps * d * 4)
         return q_out
 
-    @staticmethod
-    def _parse_attn_impl(spec: str) -> tuple[str, str]:
-        """"mma" | "simt" | "decode=<impl>,prefill=<impl>" -> (decode impl, prefill impl)."""
-        spec = (spec or "mma").strip()
-        if spec in ATTN_IMPLS:
-            return spec, spec
-        out = {"decode": "mma", "prefill": "mma"}
-        for part in spec.split(","):
-            key, _, val = part.partition("=")
-            key, val = key.strip(), val.strip()
-            if key not in out or val not in ATTN_IMPLS:
-                raise ValueError(f"attn_impl {spec!r}: expected one of {ATTN_IMPLS} or "
-                                 "'decode=<impl>,prefill=<impl>'")
-            out[key] = val
-        return out["decode"], out["prefill"]
-
     def attention(self, q, k_cache, v_cache, batch, scale):
         cp = self.cp
         q = self._heads(q)
@@ -689,8 +660,8 @@ class CudaOps:
         _, bs, hk, dc = k_cache.shape
         if dc != d or hq % hk:
             raise ValueError(f"attention: q [T, {hq}, {d}] does not fit the cache [.., {bs}, {hk}, {dc}]")
-        if d not in ATTN_BK:
-            raise NotImplementedError(f"attention: head_dim {d} not instantiated (have {sorted(ATTN_BK)})")
+        if d not in ATTN_MMA_BN:
+            raise NotImplementedError(f"attention: head_dim {d} not instantiated (have {sorted(ATTN_MMA_BN)})")
         if not (q.dtype == k_cache.dtype == v_cache.dtype == BF16):
             raise TypeError("attention runs on bfloat16 q and caches")
         if _estride(q, 0) % 8 or _estride(q, 1) % 8 or not _aligned(q):
@@ -708,21 +679,13 @@ class CudaOps:
                   _ptr(bt), np.int32(m), _ptr(batch.seq_lens), _ptr(batch.query_start_loc))
         if batch.is_decode:
             b = t
-            mma = self.attn_decode_impl == "mma"
-            if mma:
-                nh = 1 if g <= 8 else 2                    # n-tiles of 8 q heads per CTA
-                nchunks = -(-g // (8 * nh))
-                stages = ATTN_MMA_DECODE_STAGES[d]
-                smem = max(ATTN_MMA_DECODE_WARPS * stages * 2 * ATTN_MMA_DECODE_TILE * (d + 8) * 2,
-                           ATTN_MMA_DECODE_WARPS * 8 * nh * (d + 2) * 4)
-                resident = max(1, (228 * 1024) // (smem + 1024))
-                part = self._decode_partition(b * hk * nchunks, m * bs, 2 * resident)
-            else:
-                nchunks = -(-g // MAX_G_PER_CTA)
-                gcap = min(g, MAX_G_PER_CTA)
-                bk = ATTN_BK[d]
-                smem = 2 * bk * (d + 8) * 2 + gcap * d * 4 + gcap * bk * 4 + 3 * gcap * 4
-                part = self._decode_partition(b * hk * nchunks, m * bs)
+            nh = 1 if g <= 8 else 2                    # n-tiles of 8 q heads per CTA
+            nchunks = -(-g // (8 * nh))
+            stages = ATTN_MMA_DECODE_STAGES[d]
+            smem = max(ATTN_MMA_DECODE_WARPS * stages * 2 * ATTN_MMA_DECODE_TILE * (d + 8) * 2,
+                       ATTN_MMA_DECODE_WARPS * 8 * nh * (d + 2) * 4)
+            resident = max(1, (228 * 1024) // (smem + 1024))
+            part = self._decode_partition(b * hk * nchunks, m * bs, 2 * resident)
             nparts = max(1, -(-(m * bs) // part))  # from shapes only: graph-safe
             if nparts > 1:
                 part_o = cp.empty((b, hq, nparts, d), dtype=F32)
@@ -731,32 +694,20 @@ class CudaOps:
             else:
                 part_o = part_m = part_l = None
             tail = (_ptr(out), _ptr(part_o), _ptr(part_m), _ptr(part_l), np.int32(hk), np.int32(g))
-            if mma:
-                self.kernel("attention", f"decode_mma_d{d}_h{nh}", smem)(
-                    (b, hk * nchunks, nparts), (32 * ATTN_MMA_DECODE_WARPS,),
-                    common + tail + (np.int32(nchunks), np.int32(bs), np.int32(part), np.int32(nparts),
-                                     scale_log2),
-                    shared_mem=smem)
-            else:
-                self.kernel("attention", f"decode_attn_d{d}", smem)(
-                    (b, hk * nchunks, nparts), (DECODE_THREADS,),
-                    common + tail + (np.int32(gcap), np.int32(nchunks), np.int32(bs), np.int32(part),
-                                     np.int32(nparts), scale_log2),
-                    shared_mem=smem)
+            self.kernel("attention", f"decode_mma_d{d}_h{nh}", smem)(
+                (b, hk * nchunks, nparts), (32 * ATTN_MMA_DECODE_WARPS,),
+                common + tail + (np.int32(nchunks), np.int32(bs), np.int32(part), np.int32(nparts),
+                                 scale_log2),
+                shared_mem=smem)
             if nparts > 1:
                 self.kernel("attention", "decode_reduce")(
                     (b, hq), (min(d, 256),),
                     (_ptr(part_o), _ptr(part_m), _ptr(part_l), _ptr(batch.seq_lens), _ptr(batch.query_start_loc),
                      _ptr(out), np.int32(hq), np.int32(d), np.int32(part), np.int32(nparts)))
             return out
-        if self.attn_prefill_impl == "mma":
-            rows, threads, bn = ATTN_MMA_ROWS, ATTN_MMA_THREADS, ATTN_MMA_BN[d]
-            smem = (rows + 4 * bn) * (d + 8) * 2
-            fn = f"prefill_mma_d{d}"
-        else:
-            rows, threads, bk = PREFILL_ROWS, PREFILL_THREADS, ATTN_BK[d]
-            smem = (rows + 2 * bk) * (d + 8) * 2 + rows * bk * 4
-            fn = f"prefill_attn_d{d}"
+        rows, threads, bn = ATTN_MMA_ROWS, ATTN_MMA_THREADS, ATTN_MMA_BN[d]
+        smem = (rows + 4 * bn) * (d + 8) * 2
+        fn = f"prefill_mma_d{d}"
         bq = self.prefill_tile_tokens(hq, hk, d)
         work = self._work_list(batch, bq)
         self.kernel("attention", fn, smem)(
@@ -767,11 +718,11 @@ class CudaOps:
 
     def _decode_partition(self, groups: int, max_keys: int, ctas_per_sm: int = 4) -> int:
         """Keys per decode CTA: enough partitions for ~`ctas_per_sm` CTAs per SM, at least 64
-        keys and a multiple of 64; at most 512 keys (simt) / 4096 (mma: 4 warps, each its own
-        pipeline, so long partitions stay parallel). Depends on shapes only (graph-safe)."""
+        keys and a multiple of 64; at most 4096 (4 warps, each its own pipeline, so long
+        partitions stay parallel). Depends on shapes only (graph-safe)."""
         if self.part_tokens:
             return int(self.part_tokens)
-        cap = 4096 if self.attn_decode_impl == "mma" else 512
+        cap = 4096
         per = -(-groups * max_keys // (ctas_per_sm * self.sm_count))
         return int(min(cap, max(64, -(-per // 64) * 64)))
 
@@ -801,10 +752,10 @@ class CudaOps:
     def prefill_tile_tokens(self, n_heads: int, n_kv_heads: int, head_dim: int) -> int:
         """Query tokens per work item of the prefill attention kernel for this head shape (the
         `bq` of its work list)."""
-        rows = ATTN_MMA_ROWS if self.attn_prefill_impl == "mma" else PREFILL_ROWS
+        rows = ATTN_MMA_ROWS
         g = n_heads // n_kv_heads
-        if head_dim not in ATTN_BK:
-            raise NotImplementedError(f"attention: head_dim {head_dim} not instantiated (have {sorted(ATTN_BK)})")
+        if head_dim not in ATTN_MMA_BN:
+            raise NotImplementedError(f"attention: head_dim {head_dim} not instantiated (have {sorted(ATTN_MMA_BN)})")
         if g > rows:
             raise NotImplementedError(f"attention: {g} q heads per kv head (at most {rows})")
         return rows // g

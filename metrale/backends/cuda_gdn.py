@@ -6,24 +6,20 @@ kernels_cuda/gdn_conv.cu, gdn_delta.cu and moe.cu; each file's header states its
 and FLOPs. Every launch has a shape fixed by the array shapes alone (no device->host reads), so
 the decode path can be captured in a CUDA graph.
 
-Activations may be bf16 (ml_dtypes.bfloat16 cupy arrays) or fp32: the kernel suffix follows the
-array's item size. Small per-channel weights (conv kernel, A_log, dt_bias, norm weight) are used
+GDN activations may be bf16 (ml_dtypes.bfloat16 cupy arrays) or fp32: the kernel suffix follows
+the array's item size; the MoE kernels are bf16 only. Small per-channel weights (conv kernel, A_log, dt_bias, norm weight) are used
 as fp32 copies made once per weight array.
 """
 from __future__ import annotations
-
-import os
 
 import cupy as cp
 import numpy as np
 
 from metrale.backends.launch import foreign_launch
 
-KERNEL_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "kernels_cuda")
 GDN_CHUNK = 64                   # must match CH in gdn_delta.cu
 CONV_SEG = 64                    # tokens per thread segment in gdn_conv.cu
-MOE_BM = 64                      # rows per GEMM tile in moe.cu (CUDA-core "simt" GEMMs)
-# tensor-core GEMMs (moe_impl="mma"), one of the tilings moe.cu instantiates
+# tensor-core expert GEMMs, one of the tilings moe.cu instantiates
 # (moe_mma_<gate_up|down>_m<MT>_n<NTW>_s<STAGES>): variant -> (m-tiles of 16 rows, gate_up
 # (n-tiles of 8 weight rows, stages), down (n-tiles, stages)); 4 warps, 64-wide k-blocks. "m1"
 # (16-row tiles) for decode-like routing, "m4" (64-row tiles) once the experts average
@@ -34,14 +30,13 @@ MOE_BM = 64                      # rows per GEMM tile in moe.cu (CUDA-core "simt
 MOE_MMA = {"m1": (1, (4, 3), (4, 2)), "m4": (4, (4, 2), (4, 2))}
 MOE_MMA_WARPS = 4
 MOE_MMA_M4_MIN_ROWS = 32
-MOE_IMPLS = ("simt", "mma")
 # moe_plan (routing in one CTA) for steps of at most this many (token, expert) pairs; its warps'
 # softmax scratch stays within MOE_PLAN_ROUTE_SMEM bytes (plus 4 bytes per pair: 48 KB in all
 # with the 12 KB of static shared memory)
 MOE_PLAN_MAX_PAIRS = 1024
 MOE_PLAN_ROUTE_SMEM = 30 * 1024
 # steps of at most this many tokens run their expert GEMMs as CUDA-core GEMVs over the pairs
-# (moe_gemv_*, bf16, moe_impl "mma"): 576-1152 small CTAs balance where the tensor-core tiles
+# (moe_gemv_*, bf16): 576-1152 small CTAs balance where the tensor-core tiles
 # left 2-3 CTAs of 128 KB per SM. perf/moe_tune.py, H200, 35B-A3B layer with its shared expert:
 # T = 1 / 2 / 4 / 8 / 16: 30.8 / 43.0 / 66.8 / 113 / 205 us against the best m1 tiling's
 # 34.7 / 49.8 / 73.0 / 115 / 187 (the GEMVs re-read an expert once per pair that takes it);
@@ -57,7 +52,6 @@ MOE_DC_ROWS = 2                  # must match DC_ROWS in moe.cu (moe_gemv_down_c
 GDN_HEAD_DIMS = {(16, 16), (32, 32), (64, 64), (128, 128), (64, 128), (128, 64)}
 SMEM_LIMIT = 232448              # H100/H200 max dynamic shared memory per block
 
-_modules: dict[str, object] = {}
 _f32_cache: dict[int, tuple[object, object]] = {}
 
 
@@ -65,27 +59,13 @@ _f32_cache: dict[int, tuple[object, object]] = {}
 
 def _kernel(ops, file: str, name: str, smem: int = 0):
     """Kernel `name` of kernels_cuda/`file`, through CudaOps.kernel (compiled once, cached; it
-    raises the dynamic shared-memory limit to `smem`). A private NVRTC module otherwise."""
-    loader = getattr(ops, "kernel", None)
-    if callable(loader):
-        return loader(file[:-3] if file.endswith(".cu") else file, name, smem)
-    mod = _modules.get(file)
-    if mod is None:
-        kdir = os.path.abspath(KERNEL_DIR)
-        with open(os.path.join(kdir, file)) as f:
-            src = f.read()
-        mod = cp.RawModule(code=src, options=("-std=c++17", f"-I{kdir}"))
-        _modules[file] = mod
-    fn = mod.get_function(name)
-    if smem > 48 * 1024:
-        fn.max_dynamic_shared_size_bytes = smem
-    return fn
+    raises the dynamic shared-memory limit to `smem`)."""
+    return ops.kernel(file[:-3] if file.endswith(".cu") else file, name, smem)
 
 
 def _empty(ops, shape, dtype):
     """Output buffer; CudaOps NaN-fills new outputs when METRALE_CUDA_POISON=1 (tests)."""
-    new = getattr(ops, "_new", None)
-    return new(shape, dtype) if callable(new) else cp.empty(shape, dtype=dtype)
+    return ops._new(shape, dtype)
 
 
 def _sfx(a) -> str:
@@ -331,13 +311,6 @@ def moe_mma_smem(mt: int, ntw: int, stages: int) -> int:
     return MOE_MMA_WARPS * stages * (2 * ntw + 4 * mt) * 512
 
 
-def _router_logits(ops, x, router_w):
-    linear = getattr(ops, "linear", None)
-    if callable(linear):
-        return linear(x, router_w)
-    return x @ router_w.T
-
-
 def moe(ops, x, router_w, gate_up, down, top_k, renormalize, shared=False):
     """softmax router over E experts, top-k (renormalised when asked), weighted sum of the
     experts' SiLU MLPs. x [T, H], router_w [E + S, H], gate_up [E + S, 2I, H], down [E + S, H, I]
@@ -346,8 +319,8 @@ def moe(ops, x, router_w, gate_up, down, top_k, renormalize, shared=False):
     MOE_PLAN_MAX_PAIRS pairs (decode) in one launch (moe_plan), larger ones in four. Steps of
     at most MOE_GEMV_MAX_TOKENS tokens: expert GEMVs on CUDA cores, the down one with the
     combine (moe_gemv_*, bf16 "mma").
-    Expert GEMMs: ops.moe_impl "simt" (CUDA-core 64x64 tiles) or "mma" (tensor cores, bf16;
-    16-row tiles, or 64-row tiles once P >= MOE_MMA_M4_MIN_ROWS * E; see kernels_cuda/moe.cu)."""
+    Expert GEMMs on tensor cores (bf16 only): 16-row tiles, or 64-row tiles once
+    P >= MOE_MMA_M4_MIN_ROWS * E; see kernels_cuda/moe.cu."""
     T, H = x.shape
     S = int(bool(shared))
     Et = router_w.shape[0]
@@ -364,24 +337,19 @@ def moe(ops, x, router_w, gate_up, down, top_k, renormalize, shared=False):
     out = _empty(ops, (T, H), x.dtype)
     if T == 0:
         return out
+    if x.dtype.name != "bfloat16":
+        raise TypeError(f"moe: the CUDA MoE kernels are bf16 only, got {x.dtype} activations")
     x = cp.ascontiguousarray(x)
     if gate_up.dtype != x.dtype or down.dtype != x.dtype:
         raise ValueError(f"moe: weights {gate_up.dtype}/{down.dtype} differ from x {x.dtype}")
     gate_up = cp.ascontiguousarray(gate_up)
     down = cp.ascontiguousarray(down)
-    logits = cp.ascontiguousarray(_router_logits(ops, x, router_w))
+    logits = cp.ascontiguousarray(ops.linear(x, router_w))
     kk = top_k + S                       # pairs per token
     P = T * kk
-    impl = getattr(ops, "moe_impl", "simt")
-    if impl not in MOE_IMPLS:
-        raise ValueError(f"moe: moe_impl {impl!r} is not one of {MOE_IMPLS}")
-    use_mma = impl == "mma" and x.dtype.itemsize == 2   # fp32 activations: the simt kernels
-    if use_mma:
-        variant = "m4" if P >= MOE_MMA_M4_MIN_ROWS * Et else "m1"
-        mt, (gu_ntw, gu_st), (dn_ntw, dn_st) = MOE_MMA[variant]
-        bm = 16 * mt
-    else:
-        bm = MOE_BM
+    variant = "m4" if P >= MOE_MMA_M4_MIN_ROWS * Et else "m1"
+    mt, (gu_ntw, gu_st), (dn_ntw, dn_st) = MOE_MMA[variant]
+    bm = 16 * mt
     max_tiles = P // bm + min(Et, P) + 1
     wts = cp.empty(P, dtype=cp.float32)
     sfx = _sfx(x)
@@ -411,20 +379,15 @@ def moe(ops, x, router_w, gate_up, down, top_k, renormalize, shared=False):
             ((T + 3) // 4,), (128,),
             (logits, np.int32(T), np.int32(E), np.int32(top_k), np.int32(bool(renormalize)),
              np.int32(S), ids, wts, counts), shared_mem=4 * E * 4)
-        if use_mma:
-            _kernel(ops, "moe.cu", "moe_scan_tiles")(
-                (1,), (1024,), (counts, np.int32(Et), np.int32(max_tiles), np.int32(bm), offsets,
-                                tile_expert, tile_row0))
-        else:
-            _kernel(ops, "moe.cu", "moe_scan")(
-                (1,), (1024,), (counts, np.int32(Et), np.int32(max_tiles), offsets, tile_expert,
-                                tile_row0))
+        _kernel(ops, "moe.cu", "moe_scan_tiles")(
+            (1,), (1024,), (counts, np.int32(Et), np.int32(max_tiles), np.int32(bm), offsets,
+                            tile_expert, tile_row0))
         _kernel(ops, "moe.cu", "moe_scatter")(
             ((P + 255) // 256,), (256,), (ids, np.int32(P), offsets, fill, sorted_pair, pair_pos))
     act = _empty(ops, (P, I), x.dtype)
     rows = MOE_GEMV_ROWS
     few = T == 1 or T * top_k * MOE_GEMV_PAIR_SPREAD <= E
-    if use_mma and T <= MOE_GEMV_MAX_TOKENS and few and I % (rows // 2) == 0 and H % MOE_DC_ROWS == 0:
+    if T <= MOE_GEMV_MAX_TOKENS and few and I % (rows // 2) == 0 and H % MOE_DC_ROWS == 0:
         _kernel(ops, "moe.cu", "moe_gemv_gate_up")(
             (-(-P * I // (rows // 2) // 4),), (128,),
             (x, ids, sorted_pair, np.int32(kk), gate_up, np.int32(I), np.int32(H), np.int32(P), act))
@@ -432,28 +395,16 @@ def moe(ops, x, router_w, gate_up, down, top_k, renormalize, shared=False):
             (-(-T * H // MOE_DC_ROWS // 4),), (128,),
             (act, ids, pair_pos, wts, np.int32(kk), down, np.int32(H), np.int32(I), np.int32(T), out))
         return out
-    if use_mma:
-        y = _empty(ops, (P, H), x.dtype)
-        for name, ntw, stages, gated, n_out, k_in, a, sp, w, dst in (
-                ("gate_up", gu_ntw, gu_st, True, I, H, x, sorted_pair, gate_up, act),
-                ("down", dn_ntw, dn_st, False, H, I, act, None, down, y)):
-            bn = 8 * (ntw // 2 if gated else ntw)
-            smem = moe_mma_smem(mt, ntw, stages)
-            _kernel(ops, "moe.cu", f"moe_mma_{name}_m{mt}_n{ntw}_s{stages}", smem)(
-                ((n_out + bn - 1) // bn, max_tiles), (32 * MOE_MMA_WARPS,),
-                (a, sp if sp is not None else np.uint64(0), np.int32(kk), w, np.int32(n_out),
-                 np.int32(k_in), tile_expert, tile_row0, offsets, dst), shared_mem=smem)
-        _kernel(ops, "moe.cu", f"moe_combine_{sfx}")(
-            (T, (H + 255) // 256), (256,), (y, pair_pos, wts, np.int32(kk), np.int32(H), out))
-        return out
-    _kernel(ops, "moe.cu", f"moe_gemm_gate_up_{sfx}")(
-        ((I + 63) // 64, max_tiles), (256,),
-        (x, sorted_pair, np.int32(kk), gate_up, np.int32(I), np.int32(H),
-         tile_expert, tile_row0, offsets, act))
     y = _empty(ops, (P, H), x.dtype)
-    _kernel(ops, "moe.cu", f"moe_gemm_down_{sfx}")(
-        ((H + 63) // 64, max_tiles), (256,),
-        (act, down, np.int32(H), np.int32(I), tile_expert, tile_row0, offsets, y))
+    for name, ntw, stages, gated, n_out, k_in, a, sp, w, dst in (
+            ("gate_up", gu_ntw, gu_st, True, I, H, x, sorted_pair, gate_up, act),
+            ("down", dn_ntw, dn_st, False, H, I, act, None, down, y)):
+        bn = 8 * (ntw // 2 if gated else ntw)
+        smem = moe_mma_smem(mt, ntw, stages)
+        _kernel(ops, "moe.cu", f"moe_mma_{name}_m{mt}_n{ntw}_s{stages}", smem)(
+            ((n_out + bn - 1) // bn, max_tiles), (32 * MOE_MMA_WARPS,),
+            (a, sp if sp is not None else np.uint64(0), np.int32(kk), w, np.int32(n_out),
+             np.int32(k_in), tile_expert, tile_row0, offsets, dst), shared_mem=smem)
     _kernel(ops, "moe.cu", f"moe_combine_{sfx}")(
         (T, (H + 255) // 256), (256,), (y, pair_pos, wts, np.int32(kk), np.int32(H), out))
     return out
