@@ -47,8 +47,8 @@ sys.path.insert(0, str(ROOT))
 import cupy  # noqa: E402
 import ml_dtypes  # noqa: E402
 
-from metrale.backends import cublas as cb  # noqa: E402
-from metrale.backends import cublaslt as lt  # noqa: E402
+from metrale.backends.cuda.gemm import cublas as cb  # noqa: E402
+from metrale.backends.cuda.gemm import cublaslt as lt  # noqa: E402
 from metrale.backends.cuda import CudaOps  # noqa: E402
 from metrale.forward import ForwardBatch  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""GPU tests of the Gated DeltaNet and MoE kernels (metrale/backends/cuda_gdn.py) against the CPU
+"""GPU tests of the Gated DeltaNet and MoE kernels (metrale/backends/cuda/gdn.py, moe.py) against the CPU
 backend (the executable spec) and HF's torch reference (torch_chunk_gated_delta_rule).
 
 Inputs are random, batches ragged across chunk boundaries (1, 63, 64, 65, 200 tokens) with and
@@ -290,7 +290,7 @@ def test_gated_delta_rule_16bit_state_pool(cuda_ops, cpu, dims, case, pool):
 def test_gated_delta_rule_decode_steps_match_prefill(cuda_ops):
     """Prefill 100 tokens in one go == prefill 37 then 63 decode steps (fp32)."""
     import cupy as cp
-    from metrale.backends import cuda_gdn
+    from metrale.backends.cuda import gdn
     ops = cuda_ops["f32"]
     rng = np.random.default_rng(7)
     Hk, Hv, Dk, Dv = 2, 4, 128, 128
@@ -310,7 +310,7 @@ def test_gated_delta_rule_decode_steps_match_prefill(cuda_ops):
     assert _rel(s2.get(), s1.get()) < 1e-4
     # the recurrent kernel over a whole multi-token batch agrees with the chunked one
     s3 = cp.zeros((1, Hv, Dk, Dv), cp.float32)
-    o3 = cuda_gdn.recurrent_gated_delta_rule(ops, *map(cp.asarray, (q, k, v, g, beta)), s3,
+    o3 = gdn.recurrent_gated_delta_rule(ops, *map(cp.asarray, (q, k, v, g, beta)), s3,
                                              ops.upload_batch(_batch([T], [0], [0])))
     assert _rel(o3.get(), o1.get()) < 1e-4
     assert _rel(s3.get(), s1.get()) < 1e-4
@@ -451,16 +451,16 @@ def moe_ops():
 def _moe_variant(monkeypatch, variant):
     """Force the expert GEMMs: "m1" (16-row tensor-core tiles), "m4" (64-row tiles), "gemv" (the
     CUDA-core GEMVs of single-token steps, for any T) or "auto"."""
-    from metrale.backends import cuda_gdn
+    from metrale.backends.cuda import moe
     if variant in ("m1", "m4"):
-        monkeypatch.setattr(cuda_gdn, "MOE_GEMV_MAX_TOKENS", 0)
+        monkeypatch.setattr(moe, "MOE_GEMV_MAX_TOKENS", 0)
     if variant == "m1":
-        monkeypatch.setattr(cuda_gdn, "MOE_MMA_M4_MIN_ROWS", 1 << 30)
+        monkeypatch.setattr(moe, "MOE_MMA_M4_MIN_ROWS", 1 << 30)
     elif variant == "m4":
-        monkeypatch.setattr(cuda_gdn, "MOE_MMA_M4_MIN_ROWS", 0)
+        monkeypatch.setattr(moe, "MOE_MMA_M4_MIN_ROWS", 0)
     elif variant == "gemv":
-        monkeypatch.setattr(cuda_gdn, "MOE_GEMV_MAX_TOKENS", 1 << 30)
-        monkeypatch.setattr(cuda_gdn, "MOE_GEMV_PAIR_SPREAD", 0)
+        monkeypatch.setattr(moe, "MOE_GEMV_MAX_TOKENS", 1 << 30)
+        monkeypatch.setattr(moe, "MOE_GEMV_PAIR_SPREAD", 0)
 
 
 def _spy_kernels(monkeypatch, ops):

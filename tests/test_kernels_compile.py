@@ -95,11 +95,11 @@ def test_backend_kernel_names_exist(name, tmp_path):
 
 
 # -- programmatic dependent launch: the rule of kernels_cuda/common.cuh -------------------------
-# metrale/backends/launch.py launches every kernel but the self-test with the PDL attribute, so a
+# metrale/backends/cuda/kernels.py launches every kernel but the self-test with the PDL attribute, so a
 # kernel may start while the previous one still writes. Each entry point therefore has to wait
 # (griddepcontrol.wait) before it touches memory; the only accesses allowed ahead of the wait are
 # read-only-path loads of weights, and only in the kernels listed here (their header says why).
-_PDL_EXEMPT = {"launch_selftest"}                      # launched plainly (metrale/backends/cuda.py)
+_PDL_EXEMPT = {"launch_selftest"}                      # launched plainly (metrale/backends/cuda/kernels.py)
 _PRE_WAIT_WEIGHT_LOADS = re.compile(r"^gemv_t\d+_r\d+_(bf16|f16|bf16_f32)$")   # gemv.cu: first weight round
 _MEM = re.compile(r"\b(ld\.global|st\.global|atom\.|red\.|cp\.async|cp\.reduce|ld\.volatile|st\.volatile|"
                   r"ld\.relaxed|ld\.acquire|st\.release|tex\.|suld|sust|ld\.(?!param|shared|local|const)\w*)")
