@@ -438,6 +438,14 @@ class CupyTypedKernel:
     def __getattr__(self, name):
         return getattr(self.raw, name)
 
+    @property
+    def max_dynamic_shared_size_bytes(self):
+        return self.raw.max_dynamic_shared_size_bytes
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, value):
+        self.raw.max_dynamic_shared_size_bytes = value
+
 
 def typed_kernel(raw, decl: KernelDecl, ctx: LaunchContext, driver: _Driver | None):
     """`raw` (a CuPy RawKernel, or a stand-in with .kernel.ptr) called by `decl`'s names."""
