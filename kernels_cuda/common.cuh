@@ -34,7 +34,7 @@ template <typename T> struct Vec16 {
 
 // --- Programmatic dependent launch (sm_90+; no-ops before it and when a grid was launched
 // without the attribute) ------------------------------------------------------------------
-// A kernel that metrale/backends/launch.py launches with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_
+// A kernel that metrale/backends/cuda/kernels.py launches with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_
 // STREAM_SERIALIZATION (inside graph captures; METRALE_PDL=0 turns it off) may start while the kernel
 // before it in the stream still runs. The rule every kernel here keeps
 // (tests/test_kernels_compile.py checks each entry point's PTX):

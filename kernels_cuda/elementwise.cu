@@ -125,7 +125,7 @@ __device__ void rms_norm_vec_impl(const T* x, long long xs, const T* res, long l
     rms_norm_vec_rows<T, MAXV>([&](int i) { return xr[i]; }, res, rs, w, out, res_out, H, eps, offset);
 }
 
-// x given as S fp32 partial products (a k-split GEMM's output, metrale/backends/cublaslt.py
+// x given as S fp32 partial products (a k-split GEMM's output, metrale/backends/cuda/gemm/cublaslt.py
 // ksplit_plan): parts[s][row][H] contiguous, part stride ps. x = the partials summed in order
 // s = 0..S-1 in fp32 and rounded to T once (what the GEMM would have stored), then as above.
 // S is a template argument so that every load of a thread's vectors is issued before the first

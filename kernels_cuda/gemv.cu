@@ -18,7 +18,7 @@
 //                     y += x @ w^T when accumulate != 0 (fp32 sum of the old y and the product,
 //                     rounded once: cublasGemmEx's beta = 1)
 //   nt (1..T), n, k (k % 8 == 0), ks_log2 (0, 1, 2: see the layout), accumulate
-// The host (metrale/backends/cublaslt.py, OwnGemv) checks every alignment requirement and
+// The host (metrale/backends/cuda/gemm/cublaslt.py, OwnGemv) checks every alignment requirement and
 // otherwise runs cuBLAS.
 //
 // Layout: 128 threads (4 warps) per CTA. The 4 warps form 4 >> ks_log2 row groups of

@@ -1,6 +1,6 @@
 // launch_selftest(out, a, b, c, d, p, e, f, g): writes its arguments back, as 64-bit integers
 // (floats as their bit patterns), to out[0..7]. Run once per process by
-// metrale/backends/launch.py to prove the packed-argument launch path (cuLaunchKernel with a
+// metrale/backends/cuda/kernels.py to prove the packed-argument launch path (cuLaunchKernel with a
 // buffer laid out per the parameter ABI: natural alignment, padding between 4- and 8-byte
 // values) before any model kernel uses it. Reference: the arguments themselves.
 // One thread; 64 bytes written.

@@ -11,32 +11,28 @@
 //                   S = `shared` (0 or 1): the shared expert rides along as expert E, pair k of
 //                   every token, weight sigmoid(logits[t, E]) (its gate's logit): the callers
 //                   append its weights to gate_up / down and its gate to the router.
-//   moe_scan        counts -> offsets i32 [E+1] (exclusive scan), tile list for the GEMMs:
+//   moe_scan_tiles  counts -> offsets i32 [E+1] (exclusive scan), tile list for the GEMMs:
 //                   tile_expert i32 [max_tiles] (-1 = unused), tile_row0 i32 [max_tiles]
-//                   (tiles of 64 rows inside each expert's rows). One CTA of 1024 threads.
+//                   (tiles of bm = 16 or 64 rows inside each expert's rows). One CTA of 1024
+//                   threads.
 //   moe_scatter     pair p = t*k + j -> sorted row pos = offsets[e] + atomicAdd(fill[e]);
 //                   sorted_pair i32 [P], pair_pos i32 [P]. Order inside an expert varies run to
 //                   run, results do not (every row is computed independently).
-//   moe_gemm_gate_up_<T>  act T [P, I] = silu(x[tok] Wg^T) * (x[tok] Wu^T), Wg|Wu = gate_up[e]
-//                   [2I, H]; grid (I/64, max_tiles); rows gathered through sorted_pair.
-//   moe_gemm_down_<T>     y T [P, H] = act down[e]^T, down [E, H, I]; grid (H/64, max_tiles).
+//   moe_mma_gate_up_m<MT>_n<NTW>_s<ST>  act [P, I] = silu(x[tok] Wg^T) * (x[tok] Wu^T), Wg|Wu =
+//                   gate_up[e] [2I, H]; grid (ceil(I/BN), max_tiles); rows gathered through
+//                   sorted_pair.
+//   moe_mma_down_m<MT>_n<NTW>_s<ST>     y [P, H] = act down[e]^T, down [E, H, I];
+//                   grid (ceil(H/BN), max_tiles)
 //   moe_combine_<T> out T [T, H] = sum_j wts[t, j] * y[pair_pos[t*k+j]] (fp32, no atomics).
 //   moe_plan_<T>    route + scan + scatter in one CTA for steps of few pairs (decode), counts in
 //                   shared memory: one launch instead of a memset and three; ids i32 [P] too.
 //   moe_gemv_gate_up / moe_gemv_down_combine  the expert GEMMs (and the combine) of steps of a
 //                   few tokens on CUDA cores (bf16; see their comment).
-// max_tiles = P/64 + min(E, P) + 1 bounds the tiles of any routing, so every launch has a
-// static shape (CUDA graphs). Requires H % 8 == 0 and I % 8 == 0 (16-byte loads).
+// max_tiles = P/bm + min(E, P) + 1 bounds the tiles of any routing, so every launch has a
+// static shape (CUDA graphs). Requires H % 8 == 0 and I % 8 == 0 (16-byte loads). bf16 only.
 // Bytes: decode is weight-streaming: (active experts) * 3*H*I*2; FLOPs 6*P*H*I.
-// The GEMMs above are a simple 64x64x32 fp32-FMA tiling from shared memory (CudaOps
-// moe_impl="simt", the default): correctness first, far below both rooflines.
 //
-// Tensor-core twins (CudaOps(moe_impl="mma"), bf16 only; same route/scatter/combine):
-//   moe_scan_tiles  moe_scan with the tile height as an argument (bm = 16 or 64);
-//                   max_tiles = P/bm + min(E, P) + 1.
-//   moe_mma_gate_up_m<MT>_n<NTW>_s<ST>  act [P, I] = silu(x[tok] Wg^T) * (x[tok] Wu^T);
-//                                        grid (ceil(I/BN), max_tiles)
-//   moe_mma_down_m<MT>_n<NTW>_s<ST>     y [P, H] = act down[e]^T; grid (ceil(H/BN), max_tiles)
+// The expert GEMMs run on tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate).
 //   MT = 1: tiles of 16 rows (decode: a few rows per expert); MT = 4: 64 rows (prefill).
 // One CTA = one row tile x BN output columns (NTW n-tiles of 8 weight rows: gated, half gate and
 // half up), 4 warps splitting K: warp w takes the 64-wide k-blocks w, w+4, ... and streams them
@@ -53,8 +49,6 @@
 #include "common.cuh"
 
 namespace {
-
-constexpr int BM = 64, BN = 64, BK = 32, GNT = 256;
 
 // One token routed by one warp: softmax over its E routed logits `lg` (p: E floats of scratch),
 // top-k (ties: the lowest index), weights renormalised over the k when asked. With `shared`,
@@ -153,96 +147,6 @@ __device__ __forceinline__ int block_excl_scan(int v, int* scratch, int* total) 
     const int before = (warp > 0 ? scratch[warp - 1] : 0) + x - v;
     *total = scratch[31];
     return before;
-}
-
-template <typename T>
-__device__ __forceinline__ void load8(const T* p, bool valid, float* out);
-template <>
-__device__ __forceinline__ void load8<__nv_bfloat16>(const __nv_bfloat16* p, bool valid, float* out) {
-    mt::Vec16<__nv_bfloat16> v;
-    v.u = valid ? *reinterpret_cast<const uint4*>(p) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) out[i] = __bfloat162float(v.v[i]);
-}
-template <>
-__device__ __forceinline__ void load8<float>(const float* p, bool valid, float* out) {
-    const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
-    const float4 a = valid ? reinterpret_cast<const float4*>(p)[0] : z;
-    const float4 b = valid ? reinterpret_cast<const float4*>(p)[1] : z;
-    out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
-    out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
-}
-
-// C[r, n] = sum_k A[row(r), k] * W_e[n, k] over one tile of 64 rows of one expert.
-// GATED: second weight block at rows N + n (up), output silu(gate) * up.
-template <typename T, bool GATED>
-__device__ __forceinline__ void moe_gemm(const T* A, const int* sorted_pair,
-                                         int topk, const T* W, int N, int K,
-                                         const int* tile_expert,
-                                         const int* tile_row0,
-                                         const int* offsets, T* out) {
-    __shared__ float As[BK][BM + 1];
-    __shared__ float Bs[GATED ? 2 : 1][BK][BN + 1];
-    const int e = tile_expert[blockIdx.y];
-    if (e < 0) return;
-    const int row0 = tile_row0[blockIdx.y], row_end = offsets[e + 1];
-    const int n0 = blockIdx.x * BN;
-    const int tid = threadIdx.x;
-    const int lr = tid >> 2, lk = (tid & 3) * 8;  // loader: row/col of the tile, 8 k values
-    const int arow = row0 + lr;
-    const bool avalid = arow < row_end;
-    const T* arow_p = A + (long long)(avalid ? (sorted_pair ? sorted_pair[arow] / topk : arow) : 0) * K;
-    const long long wrows = GATED ? 2LL * N : (long long)N;
-    const T* We = W + (long long)e * wrows * K;
-    const bool bvalid = n0 + lr < N;
-    const T* b0 = We + (long long)(bvalid ? n0 + lr : 0) * K;
-    const T* b1 = We + (long long)(bvalid ? N + n0 + lr : 0) * K;
-
-    const int tx = tid & 15, ty = tid >> 4;
-    float acc[GATED ? 2 : 1][4][4] = {};
-    for (int k0 = 0; k0 < K; k0 += BK) {
-        const bool kvalid = k0 + lk < K;
-        float va[8], vb[8];
-        load8<T>(arow_p + k0 + lk, avalid && kvalid, va);
-        load8<T>(b0 + k0 + lk, bvalid && kvalid, vb);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) { As[lk + i][lr] = va[i]; Bs[0][lk + i][lr] = vb[i]; }
-        if (GATED) {
-            load8<T>(b1 + k0 + lk, bvalid && kvalid, vb);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) Bs[GATED ? 1 : 0][lk + i][lr] = vb[i];
-        }
-        __syncthreads();
-#pragma unroll 8
-        for (int kk = 0; kk < BK; ++kk) {
-            float a[4], b[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) a[i] = As[kk][ty + i * 16];
-#pragma unroll
-            for (int g = 0; g < (GATED ? 2 : 1); ++g) {
-#pragma unroll
-                for (int j = 0; j < 4; ++j) b[j] = Bs[g][kk][tx + j * 16];
-#pragma unroll
-                for (int i = 0; i < 4; ++i)
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) acc[g][i][j] = fmaf(a[i], b[j], acc[g][i][j]);
-            }
-        }
-        __syncthreads();
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int r = row0 + ty + i * 16;
-        if (r >= row_end) continue;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int n = n0 + tx + j * 16;
-            if (n >= N) continue;
-            float val = acc[0][i][j];
-            if (GATED) val = mt::silu(val) * acc[GATED ? 1 : 0][i][j];
-            out[(long long)r * N + n] = mt::from_f<T>(val);
-        }
-    }
 }
 
 template <typename T>
@@ -468,14 +372,7 @@ __device__ __forceinline__ void moe_scan_impl(const int* counts, int E, int max_
     scan_tiles(e < E ? counts[e] : 0, E, max_tiles, bm, offsets, tile_expert, tile_row0);
 }
 
-extern "C" __global__ void __launch_bounds__(1024) moe_scan(const int* counts, int E, int max_tiles,
-                                                            int* offsets, int* tile_expert,
-                                                            int* tile_row0) { mt::pdl_enter();
-    moe_scan_impl(counts, E, max_tiles, BM, offsets, tile_expert, tile_row0);
-    mt::pdl_exit();
-}
-
-// moe_scan with tiles of `bm` rows (the tensor-core GEMMs: 16 or 64).
+// counts -> offsets and the GEMMs' tile list, tiles of `bm` rows (16 or 64).
 extern "C" __global__ void __launch_bounds__(1024) moe_scan_tiles(const int* counts, int E,
                                                                   int max_tiles, int bm,
                                                                   int* offsets, int* tile_expert,
@@ -720,28 +617,14 @@ extern "C" __global__ void __launch_bounds__(128, 1) moe_gemv_down_combine(
                     tile_expert, tile_row0, sorted_pair, pair_pos, ids);                          \
         mt::pdl_exit();                                                                           \
     }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(GNT) moe_gemm_gate_up_##SUF(                     \
-        const T* x, const int* sorted_pair, int topk, const T* gate_up, int I, int H,             \
-        const int* tile_expert, const int* tile_row0, const int* offsets, T* act) { mt::pdl_enter(); \
-        moe_gemm<T, true>(x, sorted_pair, topk, gate_up, I, H, tile_expert, tile_row0, offsets,   \
-                          act);                                                                   \
-        mt::pdl_exit();                                                                           \
-    }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(GNT) moe_gemm_down_##SUF(                        \
-        const T* act, const T* down, int H, int I, const int* tile_expert, const int* tile_row0,  \
-        const int* offsets, T* y) { mt::pdl_enter();                                              \
-        moe_gemm<T, false>(act, nullptr, 1, down, H, I, tile_expert, tile_row0, offsets, y);      \
-        mt::pdl_exit();                                                                           \
-    }                                                                                             \
     extern "C" __global__ void __launch_bounds__(256) moe_combine_##SUF(                          \
         const T* y, const int* pair_pos, const float* wts, int k, int H, T* out) { mt::pdl_enter(); \
         moe_combine<T>(y, pair_pos, wts, k, H, out);                                              \
         mt::pdl_exit();                                                                           \
     }
 MOE_INST(__nv_bfloat16, bf16)
-MOE_INST(float, f32)
 
-// Tensor-core GEMMs (bf16 only; CudaOps(moe_impl="mma")), 128 threads, dynamic shared memory.
+// Tensor-core GEMMs (bf16 only), 128 threads, dynamic shared memory.
 #define MOE_MMA_INST(NAME, GATED, MT, NTW, ST)                                                    \
     extern "C" __global__ void __launch_bounds__(MMA_NW * 32) NAME(                               \
         const __nv_bfloat16* a, const int* sorted_pair, int topk, const __nv_bfloat16* w, int N,   \
@@ -752,7 +635,7 @@ MOE_INST(float, f32)
         mt::pdl_exit();                                                                           \
     }
 // Tilings: moe_mma_<gate_up|down>_m<MT>_n<NTW>_s<STAGES> (the host picks one through MOE_MMA in
-// metrale/backends/cuda_gdn.py; perf/moe_tune.py times the rest). Shared memory per CTA:
+// metrale/backends/cuda/moe.py; perf/moe_tune.py times the rest). Shared memory per CTA:
 // 4 warps x STAGES x (2 NTW + 4 MT) x 512 B (n4_s4: 96 KB, two CTAs per SM).
 #define MOE_MMA_CFG(MT, NTW, ST)                                                                  \
     MOE_MMA_INST(moe_mma_gate_up_m##MT##_n##NTW##_s##ST, true, MT, NTW, ST)                       \

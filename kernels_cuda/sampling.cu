@@ -1,5 +1,5 @@
 // Token sampling on the GPU: penalties, temperature, top-k, top-p, min-p, top-n-sigma, seeded
-// Gumbel-max, greedy argmax, optional logprobs. Driven by metrale/backends/cuda_sampling.py
+// Gumbel-max, greedy argmax, optional logprobs. Driven by metrale/backends/cuda/sampling.py
 // (GpuSampler), tested in tests/test_cuda_sampling.py against numpy re-statements of the same
 // rules (metrale/sampling.py SamplingParams semantics).
 //

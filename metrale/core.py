@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass, field
 
 from metrale.backends import make_ops
-from metrale.backends.launch import pdl_enabled
 from metrale.backends.profiling import ProfiledOps
 from metrale.cache.kv import ModelCaches
 from metrale.cache.swap import SwapSpace
@@ -126,8 +125,8 @@ class EngineCore:
                  num_slots, num_slots * spec.state_bytes_per_slot(self.ops.dtype, self.ssm_dtype) / 2**20)
 
     def _setup_cuda(self, num_blocks: int, num_slots: int) -> None:
-        from metrale.backends.cuda_sampling import GpuSampler
-        from metrale.cuda_graphs import DecodeGraphs
+        from metrale.backends.cuda.graphs import DecodeGraphs
+        from metrale.backends.cuda.sampling import GpuSampler
 
         cfg = self.config
         self.runner.gpu_sampler = GpuSampler(
@@ -143,15 +142,15 @@ class EngineCore:
         self.runner.graphs = graphs
         log.info("captured %d decode graphs (batch buckets %s); graph memory pool %.1f MiB; "
                  "programmatic dependent launch %s", len(graphs.graphs), sorted(graphs.graphs),
-                 graphs.pool.total_bytes() / 2**20, "on" if pdl_enabled() else "off")
+                 graphs.pool.total_bytes() / 2**20, "on" if graphs.pdl else "off")
         if cfg.prefill_graphs == "on":
             self._setup_step_graphs(graphs, num_blocks, num_slots)
 
     def _setup_step_graphs(self, decode_graphs, num_blocks: int, num_slots: int) -> None:
-        """--prefill-graphs on: capture prefill / mixed steps per token bucket (metrale.cuda_graphs
+        """--prefill-graphs on: capture prefill / mixed steps per token bucket (metrale.backends.cuda.graphs
         StepGraphs) when every layer of the model allows it; out of memory while capturing, they
         stay off (the steps run eagerly) and the log says so."""
-        from metrale.cuda_graphs import StepGraphs, step_graph_support
+        from metrale.backends.cuda.graphs import StepGraphs, step_graph_support
 
         cfg = self.config
         why = step_graph_support(self.model)

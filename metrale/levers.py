@@ -42,24 +42,24 @@ LEVERS: dict[str, Lever] = {lv.name: lv for lv in (
     Lever("METRALE_RATE_LIMIT_MAX_KEYS", int, 10_000, "metrale/ratelimit.py",
           "most keys the rate limiter tracks; the least recently seen is dropped beyond it"),
     Lever("METRALE_LOG_LEVEL", str, "info", "metrale/cli.py", "debug | info | warning | error"),
-    Lever("METRALE_KERNEL_CACHE", str, "", "metrale/backends/cuda.py",
+    Lever("METRALE_KERNEL_CACHE", str, "", "metrale/backends/cuda/kernels.py",
           "directory of compiled CUDA kernels; empty = ~/.cache/metrale/kernels"),
-    Lever("METRALE_KERNELS_DIR", str, "", "metrale/backends/cuda.py",
+    Lever("METRALE_KERNELS_DIR", str, "", "metrale/backends/cuda/kernels.py",
           "directory of the .cu sources; empty = kernels_cuda/ of this checkout"),
-    Lever("METRALE_CUBLAS", str, "", "metrale/backends/cublas.py",
+    Lever("METRALE_CUBLAS", str, "", "metrale/backends/cuda/gemm/cublas.py",
           "path of libcublas to load; empty = the nvidia pip package, cupy's or the toolkit's"),
-    Lever("METRALE_GEMM_TUNE", str, "1", "metrale/backends/cuda.py",
+    Lever("METRALE_GEMM_TUNE", str, "1", "metrale/backends/cuda/gemm/__init__.py",
           "1 = linear GEMMs through cuBLASLt, each decode-sized shape autotuned once (outside "
           "graph capture) over the heuristic's algorithms and cublasGemmEx; 0 = plain "
           "cublasGemmEx (CUBLAS_GEMM_DEFAULT) everywhere"),
-    Lever("METRALE_FAST_LAUNCH", str, "1", "metrale/backends/launch.py",
+    Lever("METRALE_FAST_LAUNCH", str, "1", "metrale/backends/cuda/kernels.py",
           "1 = eager CUDA kernels launched through cuLaunchKernel with packed arguments (after a "
           "self-test); 0 = CuPy's RawKernel launch"),
-    Lever("METRALE_PDL", str, "1", "metrale/backends/launch.py",
+    Lever("METRALE_PDL", str, "1", "metrale/backends/cuda/kernels.py",
           "1 = in captured CUDA graphs on sm_90+, each of our kernels that follows another of "
           "ours gets a programmatic edge (it launches while that one drains and waits for its "
           "inputs in-kernel: kernels_cuda/README.md); 0 = plain stream order"),
-    Lever("METRALE_CUDA_POISON", str, "", "metrale/backends/cuda.py",
+    Lever("METRALE_CUDA_POISON", str, "", "metrale/backends/cuda/ops.py",
           "1 = fill every new CUDA op output with NaN first (tests: catches unwritten outputs)"),
 )}
 

@@ -35,9 +35,9 @@ class ModelRunner:
         self._num_generators_made = 0
         self._generators: dict[str, np.random.Generator] = {}
         self.swap = None            # metrale.cache.swap.SwapSpace when --swap-space-gb > 0
-        self.graphs = None          # metrale.cuda_graphs.DecodeGraphs on the CUDA backend
-        self.step_graphs = None     # metrale.cuda_graphs.StepGraphs (--prefill-graphs on)
-        self.gpu_sampler = None     # metrale.backends.cuda_sampling.GpuSampler on CUDA
+        self.graphs = None          # metrale.backends.cuda.graphs.DecodeGraphs on the CUDA backend
+        self.step_graphs = None     # metrale.backends.cuda.graphs.StepGraphs (--prefill-graphs on)
+        self.gpu_sampler = None     # metrale.backends.cuda.sampling.GpuSampler on CUDA
         self._sampler_slot: dict[str, int] = {}
 
     # -- per-request state ----------------------------------------------------------------

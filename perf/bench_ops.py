@@ -6,11 +6,11 @@ Measures the ceilings first (device-to-device copy bandwidth, bf16 GEMM rate at 
     fraction of the copy bandwidth (bytes = weights + activations);
   * decode attention (Qwen3.5-27B attention shape: 24 q / 4 kv heads of 256, block 16; and
     9/3 x 64) at B = 1..128 x context 1k..8k, from a captured graph, as a fraction of the copy
-    bandwidth, tensor-core ("mma") and CUDA-core ("simt") kernels side by side;
+    bandwidth (the tensor-core kernels);
   * prefill attention FLOP rate (causal, one sequence up to 16k, and a 2k chunk after 6k of
-    context; 24/4 x 256, 32/8 x 128, 9/3 x 64), both kernels;
+    context; 24/4 x 256, 32/8 x 128, 9/3 x 64);
   * MoE layer (Qwen3.5-35B-A3B: 256 experts, top-8, H 2048, I 512) at T = 1, 8, 64 (and 512)
-    tokens, CudaOps(moe_impl="mma") and "simt", from a captured graph rotating over 16 token
+    tokens, from a captured graph rotating over 16 token
     sets (so the active experts change every call and are not L2-resident), as a fraction of the
     copy bandwidth for the bytes of the active experts.
 Writes perf/results/ops_<date>_<commit>.json (and a copy under --out) and prints a table.
@@ -47,8 +47,8 @@ sys.path.insert(0, str(ROOT))
 import cupy  # noqa: E402
 import ml_dtypes  # noqa: E402
 
-from metrale.backends import cublas as cb  # noqa: E402
-from metrale.backends import cublaslt as lt  # noqa: E402
+from metrale.backends.cuda.gemm import cublas as cb  # noqa: E402
+from metrale.backends.cuda.gemm import cublaslt as lt  # noqa: E402
 from metrale.backends.cuda import CudaOps  # noqa: E402
 from metrale.forward import ForwardBatch  # noqa: E402
 
@@ -276,7 +276,7 @@ def decode_batch(b: int, ctx: int, bs: int, rng) -> tuple[ForwardBatch, int]:
     return batch, nb
 
 
-ATTN_IMPLS = ("mma", "simt")   # CudaOps(attn_impl=...): tensor-core kernels and the CUDA-core fallback
+ATTN_IMPLS = ("mma",)   # the tensor-core kernels (the CUDA-core fallback is gone)
 
 
 def bench_decode_attention(impls: dict, copy_bw: float, quick: bool) -> list[dict]:
@@ -332,14 +332,14 @@ def bench_prefill_attention(impls: dict, quick: bool) -> list[dict]:
             row = {"L": L, "context": ctx, "heads": [hq, hk, d], "flop": flops}
             for name, ops in impls.items():
                 dev = ops.upload_batch(batch)
-                iters = 3 if (quick or name == "simt") else 10
-                t = time_gpu(lambda: ops.attention(q, kc, vc, dev, d ** -0.5), iters, warmup=1 if name == "simt" else 3)
+                iters = 3 if quick else 10
+                t = time_gpu(lambda: ops.attention(q, kc, vc, dev, d ** -0.5), iters, warmup=3)
                 row[name] = {"s": t, "flop_per_s": flops / t}
             rows.append(row)
     return rows
 
 
-MOE_IMPLS = ("mma", "simt")    # CudaOps(moe_impl=...): tensor-core expert GEMMs, CUDA-core tiles
+MOE_IMPLS = ("mma",)    # tensor-core expert GEMMs (the CUDA-core tiles are gone)
 
 
 def bench_moe(copy_bw: float, quick: bool) -> list[dict]:
@@ -354,7 +354,7 @@ def bench_moe(copy_bw: float, quick: bool) -> list[dict]:
     router_w = rand_bf16((E, H), 1.5 * H ** -0.5)
     rw_host = cupy.asnumpy(router_w.astype(cupy.float32))
     expert_bytes = 3 * H * I * 2
-    impls = {name: CudaOps(moe_impl=name) for name in MOE_IMPLS}
+    impls = {"mma": CudaOps()}
     rows = []
     for T in ((1, 8, 64) if quick else (1, 8, 64, 512)):
         xs = [rand_bf16((T, H)) for _ in range(nsets)]
@@ -381,9 +381,6 @@ def bench_moe(copy_bw: float, quick: bool) -> list[dict]:
                 t, mode = time_gpu(fn, 2 * nsets), f"eager ({type(e).__name__})"
             outs[name] = cupy.asnumpy(ops.moe(xs[0], router_w, gate_up, down, K, True).astype(cupy.float32))
             row[name] = {"s": t, "mode": mode, "frac_copy_bw": nbytes / t / copy_bw}
-        if "mma" in outs and "simt" in outs:
-            a, b = outs["mma"].astype(np.float64), outs["simt"].astype(np.float64)
-            row["rel_mma_vs_simt"] = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
         rows.append(row)
     return rows
 
@@ -392,11 +389,11 @@ def moe_section(res: dict, copy_bw: float, quick: bool) -> None:
     res["moe"] = rows = bench_moe(copy_bw, quick)
     cupy.get_default_memory_pool().free_all_blocks()   # the 1.6 GB of expert weights
     print(f"\n{'MoE 35B-A3B T':>13} {'experts':>7} {'MB':>6} {'floor us':>8} "
-          + " ".join(f"{n + ' us':>9} {'%bw':>5}" for n in MOE_IMPLS) + "  speedup  rel mma/simt")
+          + " ".join(f"{n + ' us':>9} {'%bw':>5}" for n in MOE_IMPLS))
     for r in rows:
         cols = " ".join(f"{r[n]['s'] * 1e6:>9.1f} {100 * r[n]['frac_copy_bw']:>4.0f}%" for n in MOE_IMPLS)
         print(f"{r['T']:>13} {r['active_experts']:>7.1f} {r['bytes'] / 1e6:>6.1f} {r['floor_s'] * 1e6:>8.1f} "
-              f"{cols}  {r['simt']['s'] / r['mma']['s']:>6.2f}x  {r.get('rel_mma_vs_simt', float('nan')):.1e}")
+              f"{cols}")
     modes = {r[n]["mode"] for r in rows for n in MOE_IMPLS}
     if modes != {"graph"}:
         print(f"MoE timing modes: {sorted(modes)}")
@@ -435,13 +432,12 @@ def main() -> None:
         g = r["graph_frac_copy_bw"]
         print(f"{r['in']:>7}x{r['out']:<8} {r['M']:>4} {r['eager_s'] * 1e6:>9.1f} {r['graph_s'] * 1e6:>9.1f} "
               f"{100 * r['eager_frac_copy_bw']:>8.0f}% {(100 * g if g else float('nan')):>8.0f}%  {r['algo']}")
-    impls = {name: (ops if name == "mma" else CudaOps(attn_impl=name)) for name in ATTN_IMPLS}
+    impls = {"mma": ops}
     res["attention_decode"] = bench_decode_attention(impls, c["copy_bytes_per_s"], args.quick)
-    print(f"\n{'decode attn heads':>17} {'B':>4} {'ctx':>6} " + " ".join(f"{n + ' us':>9} {'%bw':>5}" for n in impls)
-          + "  speedup")
+    print(f"\n{'decode attn heads':>17} {'B':>4} {'ctx':>6} " + " ".join(f"{n + ' us':>9} {'%bw':>5}" for n in impls))
     for r in res["attention_decode"]:
         cols = " ".join(f"{r[n]['s'] * 1e6:>9.1f} {100 * r[n]['frac_copy_bw']:>4.0f}%" for n in impls)
-        print(f"{str(r['heads']):>17} {r['B']:>4} {r['context']:>6} {cols}  {r['simt']['s'] / r['mma']['s']:>6.2f}x")
+        print(f"{str(r['heads']):>17} {r['B']:>4} {r['context']:>6} {cols}")
     res["attention_prefill"] = bench_prefill_attention(impls, args.quick)
     print(f"\n{'prefill attn heads':>20} {'L':>6} {'ctx':>6} " + " ".join(f"{n + ' ms':>9} {'TFLOP/s':>8}" for n in impls))
     for r in res["attention_prefill"]:

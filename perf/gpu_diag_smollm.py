@@ -1,6 +1,6 @@
 """Diagnose SmolLM2 (GGUF) on the GPU against the CPU backend: the chat prompt's first greedy
 tokens and the prefill logits of its last position, under variants that each switch one thing
-off (small KV pool, simt attention, eager steps without graphs, the whole
+off (small KV pool, eager steps without graphs, the whole
 engine vs a bare model forward). Prints one line per variant.
 
     SMOLLM2_GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf python perf/gpu_diag_smollm.py
@@ -61,14 +61,6 @@ def main():
     run("cuda default", ref, device="cuda")
     run("cuda 64 kv blocks", ref, device="cuda", num_kv_blocks=64)
     run("cuda profile (no graphs)", ref, device="cuda", profile=True)
-    import metrale.backends.cuda as c
-    orig = c.CudaOps.__init__
-
-    def simt(self, *a, **k):
-        orig(self, *a, **{**k, "attn_impl": "simt"})
-    c.CudaOps.__init__ = simt
-    run("cuda simt attention", ref, device="cuda")
-    c.CudaOps.__init__ = orig
     # short prompt vs long: completion prompt
     for text in ("The capital of France is", "<|im_start|>user\nThe capital of France is"):
         for dev in ("cpu", "cuda"):

@@ -4,7 +4,7 @@
 
 EngineCore runs on the CPU backend with a tiny model (llama, hidden 16, 1 layer) whose vocab is
 a real one, and everything the GPU would do replaced by a null device:
-  * the decode graphs: the real host side (metrale.cuda_graphs.DecodeInputs: the ScheduledSeqs
+  * the decode graphs: the real host side (metrale.backends.cuda.graphs.DecodeInputs: the ScheduledSeqs
     packed into the bucket's input buffer), then fixed logits instead of the H2D copy + replay;
   * the GPU sampler: the real host side (metrale._hot.sampler_rows.SamplerParamRows: the
     per-row parameters packed into the staging buffer), then a fixed token instead of the
@@ -15,7 +15,7 @@ So the figures are the Python/Cython work of a CUDA decode step; the CUDA API ca
 DESIGN.md section 7) come on top.
 
 `--prefill`: the same for prefill steps (B fresh prompts of ISL tokens in one step) replayed
-from step graphs (--prefill-graphs on): the real host side (metrale.cuda_graphs.StepBuckets: the
+from step graphs (--prefill-graphs on): the real host side (metrale.backends.cuda.graphs.StepBuckets: the
 step padded into its token bucket, work lists included), then fixed logits. An eager prefill
 step instead launches every kernel from Python (~9 ms for SmolLM2 1 x 128 on the H200 host).
 
@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from metrale._hot.sampler_rows import SamplerParamRows
 from metrale.config import EngineConfig
 from metrale.core import EngineCore
-from metrale.cuda_graphs import DecodeInputs, StepBuckets
+from metrale.backends.cuda.graphs import DecodeInputs, StepBuckets
 from metrale.models.dummy import DummyCheckpoint, _NoTensors
 from metrale.request import Request
 from metrale.sampling import SamplingParams

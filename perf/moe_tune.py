@@ -22,7 +22,7 @@ import cupy
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from metrale.backends import cuda_gdn  # noqa: E402
+from metrale.backends.cuda import moe as cuda_moe  # noqa: E402
 from metrale.backends.cuda import CudaOps  # noqa: E402
 from perf.bench_ops import bench_ceilings, commit, rand_bf16, time_graph  # noqa: E402
 
@@ -38,7 +38,7 @@ def main():
     ap.add_argument("--ts", default="1,2,4,8,16,32")
     ap.add_argument("--no-sweep", action="store_true", help="only the engine's m1 tiling, not the others")
     args = ap.parse_args()
-    ops = CudaOps(moe_impl="mma")
+    ops = CudaOps()
     bw = bench_ceilings(ops)["copy_bytes_per_s"]
     nsets = 16
     gate_up = rand_bf16((E + 1, 2 * I, H), H ** -0.5)
@@ -47,7 +47,7 @@ def main():
     routed = (router[:E], gate_up[:E], down[:E])          # views: the same bytes
     shared_gu, shared_dn, shared_gate = gate_up[E], down[E], router[E:]
     rw_host = cupy.asnumpy(router[:E].astype(cupy.float32))
-    default = dict(cuda_gdn.MOE_MMA)
+    default = dict(cuda_moe.MOE_MMA)
     rows = []
     for T in [int(t) for t in args.ts.split(",")]:
         xs = [rand_bf16((T, H)) for _ in range(nsets)]
@@ -72,18 +72,18 @@ def main():
         def run(fn, m1=None, gemv_max=0):
             """fn's result on xs[0] and its graph time, with the decode tiling `m1` (the engine's
             when None) and the expert GEMVs for steps of up to `gemv_max` tokens (0: none)."""
-            keep = cuda_gdn.MOE_GEMV_MAX_TOKENS
-            cuda_gdn.MOE_GEMV_MAX_TOKENS = gemv_max
+            keep = cuda_moe.MOE_GEMV_MAX_TOKENS
+            cuda_moe.MOE_GEMV_MAX_TOKENS = gemv_max
             if m1 is not None:
-                cuda_gdn.MOE_MMA["m1"] = (1, *m1)
+                cuda_moe.MOE_MMA["m1"] = (1, *m1)
             try:
                 it["i"] = 0
                 got = cupy.asnumpy(fn().astype(cupy.float32)).astype(np.float64)
                 it["i"] = 0
                 return got, time_graph(fn, nsets, 20)
             finally:
-                cuda_gdn.MOE_MMA.update(default)
-                cuda_gdn.MOE_GEMV_MAX_TOKENS = keep
+                cuda_moe.MOE_MMA.update(default)
+                cuda_moe.MOE_GEMV_MAX_TOKENS = keep
 
         def record(got, t, **kw):
             return dict(kw, s=t, frac_copy_bw=nbytes / t / bw,

@@ -2,7 +2,7 @@
 
 The GEMM benchmark (bench_ops.py --gemm-only) replays one GEMM ten times from a graph: each call
 starts only after the previous one has drained. In a decode step a GEMM follows another kernel,
-and with PDL (metrale/backends/launch.py) our kernels start during the previous kernel's tail:
+and with PDL (metrale/backends/cuda/kernels.py) our kernels start during the previous kernel's tail:
 the GEMV issues its first weight loads before it waits. This measures that, per GEMM, on the
 issue's 9B shapes and at t = 1..64 tokens, as the engine runs them (CudaOps.linear: the tuned
 plan, our GEMV or cuBLASLt), each captured in a graph with PDL off and on:
@@ -38,8 +38,7 @@ import cupy  # noqa: E402
 import numpy as np  # noqa: E402
 
 import bench_ops as bo  # noqa: E402
-from metrale.backends import launch  # noqa: E402
-from metrale.backends.cublaslt import KSPLIT_S  # noqa: E402
+from metrale.backends.cuda.gemm.cublaslt import KSPLIT_S  # noqa: E402
 from metrale.backends.cuda import CudaOps, SplitK  # noqa: E402
 
 SHAPES = [(12288, 4096), (4096, 12288), (248320, 4096)]    # [out x in], the issue's 9B shapes
@@ -47,14 +46,14 @@ H, I = 4096, 12288                                           # Qwen3.5-9B hidden
 FOOTPRINT = 400e6
 
 
-def graph_time(body, calls: int, reps: int, pdl: bool) -> float:
+def graph_time(ops: CudaOps, body, calls: int, reps: int, pdl: bool) -> float:
     """Seconds per call: `body()` (issuing `calls` calls) captured once with PDL on or off
     (bench_ops.time_graph: two eager runs first, which tune new shapes), replayed `reps` times."""
-    prev = launch.set_pdl(pdl)
+    prev = ops.launch.set_pdl(pdl)
     try:
-        return bo.time_graph(body, 1, reps, capture=launch.pdl_capture) / calls
+        return bo.time_graph(body, 1, reps, capture=ops.launch.capture) / calls
     finally:
-        launch.set_pdl(prev)
+        ops.launch.set_pdl(prev)
 
 
 def gemm_chain(ops: CudaOps, ts, reps: int, copy_bw: float, shapes=SHAPES) -> list[dict]:
@@ -74,7 +73,7 @@ def gemm_chain(ops: CudaOps, ts, reps: int, copy_bw: float, shapes=SHAPES) -> li
             nbytes = wbytes + 2 * t * (n + k)
             row = {"out": n, "in": k, "t": t, "bytes": nbytes, "copies": copies}
             for pdl in (False, True):
-                s = graph_time(body, 2 * copies, reps, pdl)
+                s = graph_time(ops, body, 2 * copies, reps, pdl)
                 row["pdl" if pdl else "plain"] = {"s": s, "frac_copy_bw": nbytes / s / copy_bw}
             row["plan"] = getattr(getattr(ops._blas(), "last_plan", None), "name", "gemmex")
             ops.linear_parts(x, ws[0])                # decides the k-split for this key (after linear tuned it)
@@ -88,7 +87,7 @@ def gemm_chain(ops: CudaOps, ts, reps: int, copy_bw: float, shapes=SHAPES) -> li
 
                 pbytes = wbytes + 2 * t * k + KSPLIT_S * 4 * t * n
                 for pdl in (False, True):
-                    s = graph_time(body_parts, 2 * copies, reps, pdl)
+                    s = graph_time(ops, body_parts, 2 * copies, reps, pdl)
                     row["ksplit_pdl" if pdl else "ksplit_plain"] = {"s": s, "frac_copy_bw": nbytes / s / copy_bw,
                                                                      "frac_copy_bw_own_bytes": pbytes / s / copy_bw}
                 row["ksplit_plan"] = ops._blas().last_plan.name
@@ -121,7 +120,7 @@ def mlp_chain(ops: CudaOps, ts, reps: int, copy_bw: float, layers: int = 8) -> l
 
         row = {"t": t, "weight_bytes_per_layer": wbytes, "layers": layers}
         for pdl in (False, True):
-            s = graph_time(body, layers, reps, pdl)
+            s = graph_time(ops, body, layers, reps, pdl)
             row["pdl" if pdl else "plain"] = {"s_per_layer": s, "frac_copy_bw": wbytes / s / copy_bw}
         rows.append(row)
         print(f"mlp  t={t:<3} plain {row['plain']['s_per_layer'] * 1e6:7.1f} us/layer "
@@ -145,7 +144,7 @@ def main() -> None:
     props = cupy.cuda.runtime.getDeviceProperties(ops.device.id)
     res = {"commit": bo.commit(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
            "device": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
-           "pdl_available": bool(launch._state.get("pdl_ok")), "dtype": "bfloat16",
+           "pdl_available": bool(ops.launch.pdl_ok), "dtype": "bfloat16",
            "metric": "bytes / time per call / copy bandwidth; graphs captured with PDL off ('plain') "
                      "and on ('pdl'); CudaOps.linear's tuned plan"}
     res["ceilings"] = c = bo.bench_ceilings(ops)

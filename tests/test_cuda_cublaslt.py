@@ -1,4 +1,4 @@
-"""cuBLASLt GEMMs with per-shape autotuning (metrale/backends/cublaslt.py) against a cupy float32
+"""cuBLASLt GEMMs with per-shape autotuning (metrale/backends/cuda/gemm/cublaslt.py) against a cupy float32
 matmul reference: the very first (tuning) call, odd sizes, strided rows, accumulate, bf16 / fp16 /
 fp32, graph capture of tuned and of never-tuned keys, and the METRALE_GEMM_TUNE=0 lever.
 16-bit outputs: relative Frobenius error <= 1e-2; fp32: 1e-4.
@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from metrale.backends import cublaslt as lt
+from metrale.backends.cuda.gemm import cublaslt as lt
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
@@ -319,7 +319,7 @@ def test_cudaops_linear_uses_tuned_lt(cp):
 
 @gpu
 def test_tune_lever_off_gives_gemmex(cp, monkeypatch):
-    from metrale.backends import cublas
+    from metrale.backends.cuda.gemm import cublas
     from metrale.backends.cuda import CudaOps
 
     monkeypatch.setenv("METRALE_GEMM_TUNE", "0")

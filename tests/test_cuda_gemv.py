@@ -1,4 +1,4 @@
-"""Our decode GEMV kernels (kernels_cuda/gemv.cu, launched by metrale.backends.cublaslt.OwnGemv)
+"""Our decode GEMV kernels (kernels_cuda/gemv.cu, launched by metrale.backends.cuda.gemm.cublaslt.OwnGemv)
 against a cupy float32 matmul: every row count 1..8 (3, 5, 7 run the next compiled T), every
 (R, k split) config, n not a multiple of R, k not a multiple of a round, strided x and y rows,
 accumulate, bf16 and fp16; relative Frobenius error <= 1e-2 (16-bit output rounding). Then
@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from metrale.backends import cublaslt as lt
+from metrale.backends.cuda.gemm import cublaslt as lt
 
 pytestmark = pytest.mark.gpu
 
@@ -197,7 +197,7 @@ def test_lm_head_returns_fp32_logits_with_ties_intact(cp, t):
     fp32 matmul of the bf16 operands within 1e-5 relative on the first (tuning) call and on the
     tuned plan; and the planted exact tie of two rows of w stays a tie the sampler breaks to the lower id."""
     from metrale.backends.cuda import CudaOps
-    from metrale.backends.cuda_sampling import GpuSampler
+    from metrale.backends.cuda.sampling import GpuSampler
     from metrale.sampling import SamplingParams
 
     ops = CudaOps()

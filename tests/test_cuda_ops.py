@@ -31,16 +31,6 @@ def ops():
 
 
 @pytest.fixture(scope="module")
-def simt_ops(ops):
-    """The CUDA-core attention kernels (the fallback), for the mma-vs-simt comparisons."""
-    from metrale.backends.cuda import CudaOps
-
-    o = CudaOps(attn_impl="simt")
-    o.poison = True
-    return o
-
-
-@pytest.fixture(scope="module")
 def cpu():
     return CpuOps(np.float32)
 
@@ -312,11 +302,8 @@ def poisoned_kv(rng, batch, nb, bs, hk, d):
     return k.reshape(nb, bs, hk, d), v.reshape(nb, bs, hk, d)
 
 
-def run_attention(ops, cpu, rng, ctx_lens, q_lens, hq, hk, d, bs, part_tokens=None, simt_ops=None,
-                  q_scale=1.0):
-    """CudaOps.attention (the impl `ops` was built with) vs CpuOps, and, given `simt_ops`, the
-    CUDA-core kernels on the same inputs: each against the CPU reference, and the two against
-    each other (bf16 outputs; differences come from P rounded to bf16 in the mma path)."""
+def run_attention(ops, cpu, rng, ctx_lens, q_lens, hq, hk, d, bs, part_tokens=None, q_scale=1.0):
+    """CudaOps.attention (the tensor-core kernels) vs CpuOps (bf16 outputs)."""
     batch, nb = paged_batch(rng, ctx_lens, q_lens, bs)
     k, v = poisoned_kv(rng, batch, nb, bs, hk, d)
     q = f32(rnd(rng, (batch.num_tokens, hq, d), BF16, q_scale))
@@ -324,8 +311,8 @@ def run_attention(ops, cpu, rng, ctx_lens, q_lens, hq, hk, d, bs, part_tokens=No
     ref = cpu.attention(q, k, v, batch, scale)
     what = f"ctx={ctx_lens} q={q_lens} hq={hq} hk={hk} d={d} bs={bs} decode={batch.is_decode}"
     outs = {}
-    for o in [ops] + ([simt_ops] if simt_ops is not None else []):
-        impl = o.attn_decode_impl if batch.is_decode else o.attn_prefill_impl
+    for o in [ops]:
+        impl = "mma"
         old = o.part_tokens
         o.part_tokens = part_tokens
         try:
@@ -334,87 +321,71 @@ def run_attention(ops, cpu, rng, ctx_lens, q_lens, hq, hk, d, bs, part_tokens=No
             o.part_tokens = old
         outs[impl] = ops.to_numpy(out)
         check(outs[impl], ref, BF16, f"attention[{impl}] {what}")
-    if len(outs) == 2:
-        check(outs["mma"], outs["simt"], BF16, f"attention mma vs simt {what}")
     return outs
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("hq,hk", [(4, 4), (8, 2), (24, 4), (9, 3), (64, 4), (40, 2)])
 # G = 1, 4, 6 (Qwen3.5), 3 (SmolLM2), 16 (two n-tiles of 8 heads), 20 (> 16 per CTA: 2 chunks)
-def test_decode_attention(ops, simt_ops, cpu, d, hq, hk):
+def test_decode_attention(ops, cpu, d, hq, hk):
     rng = np.random.default_rng(10 + d + hq)
     ctx = [0, 1, 15, 16, 511, 512, 1500, 4100]                      # partition boundaries at 512
-    run_attention(ops, cpu, rng, ctx, [1] * len(ctx), hq, hk, d, 16, simt_ops=simt_ops)
+    run_attention(ops, cpu, rng, ctx, [1] * len(ctx), hq, hk, d, 16)
 
 
 @pytest.mark.parametrize("part_tokens", [None, 16, 32, 64, 100, 512, 100000])
-def test_decode_attention_partitions(ops, simt_ops, cpu, part_tokens):
+def test_decode_attention_partitions(ops, cpu, part_tokens):
     # part_tokens not a multiple of the 16-key tile (100) or of the block size (32): tiles that
     # straddle blocks, partitions with fewer tiles than warps
     rng = np.random.default_rng(11)
     ctx = list(rng.integers(0, 700, 13))
-    run_attention(ops, cpu, rng, ctx, [1] * len(ctx), 16, 4, 128, 32, part_tokens, simt_ops=simt_ops)
+    run_attention(ops, cpu, rng, ctx, [1] * len(ctx), 16, 4, 128, 32, part_tokens)
 
 
 @pytest.mark.parametrize("bs", [1, 8, 16, 32])
-def test_decode_attention_block_sizes(ops, simt_ops, cpu, bs):
+def test_decode_attention_block_sizes(ops, cpu, bs):
     rng = np.random.default_rng(12 + bs)
-    run_attention(ops, cpu, rng, [3, 70, 333, 1025], [1] * 4, 24, 4, 256, bs, simt_ops=simt_ops)
+    run_attention(ops, cpu, rng, [3, 70, 333, 1025], [1] * 4, 24, 4, 256, bs)
 
 
-def test_decode_attention_peaked_scores(ops, simt_ops, cpu):
+def test_decode_attention_peaked_scores(ops, cpu):
     """Large logits (q scaled x8): the online-softmax rescaling across tiles, warps and
     partitions must stay exact (a wrong max or alpha shows up here first)."""
     rng = np.random.default_rng(13)
-    run_attention(ops, cpu, rng, [2000, 77, 4000], [1] * 3, 24, 4, 256, 16, simt_ops=simt_ops, q_scale=8.0)
+    run_attention(ops, cpu, rng, [2000, 77, 4000], [1] * 3, 24, 4, 256, 16, q_scale=8.0)
     run_attention(ops, cpu, rng, [2000, 77, 4000], [1] * 3, 24, 4, 256, 16, part_tokens=64,
-                  simt_ops=simt_ops, q_scale=8.0)
+                  q_scale=8.0)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("hq,hk", [(4, 4), (8, 2), (24, 4), (9, 3), (32, 1)])
-def test_prefill_attention(ops, simt_ops, cpu, d, hq, hk):
+def test_prefill_attention(ops, cpu, d, hq, hk):
     rng = np.random.default_rng(20 + d + hq)
     # fresh prompts, chunked prefill continuing a context, single tokens in a mixed batch,
     # lengths around the 64/128-row and BN tiles
     ctx = [0, 0, 37, 300, 0, 5, 64, 0]
     ql = [1, 200, 64, 33, 17, 1, 65, 129]
-    run_attention(ops, cpu, rng, ctx, ql, hq, hk, d, 16, simt_ops=simt_ops)
+    run_attention(ops, cpu, rng, ctx, ql, hq, hk, d, 16)
 
 
-def test_prefill_attention_block_size_and_long(ops, simt_ops, cpu):
+def test_prefill_attention_block_size_and_long(ops, cpu):
     rng = np.random.default_rng(30)
-    run_attention(ops, cpu, rng, [0, 1000], [1100, 7], 8, 8, 128, 32, simt_ops=simt_ops)
+    run_attention(ops, cpu, rng, [0, 1000], [1100, 7], 8, 8, 128, 32)
 
 
 @pytest.mark.parametrize("d,hq,hk", [(256, 24, 4), (128, 32, 8), (64, 9, 3)])
-def test_prefill_attention_long_chunked(ops, simt_ops, cpu, d, hq, hk):
+def test_prefill_attention_long_chunked(ops, cpu, d, hq, hk):
     """Long causal prompts and a chunk continuing a long context (many K/V tiles through the
     double buffer, diagonal tiles at a context offset not a multiple of the tile), peaked scores."""
     rng = np.random.default_rng(31 + d)
-    run_attention(ops, cpu, rng, [0, 1531, 3], [1500, 300, 1], hq, hk, d, 16, simt_ops=simt_ops, q_scale=4.0)
-
-
-def test_attn_impl_flag():
-    from metrale.backends.cuda import CudaOps
-
-    assert CudaOps._parse_attn_impl("mma") == ("mma", "mma")
-    assert CudaOps._parse_attn_impl("simt") == ("simt", "simt")
-    assert CudaOps._parse_attn_impl("decode=simt,prefill=mma") == ("simt", "mma")
-    assert CudaOps._parse_attn_impl("prefill=simt") == ("mma", "simt")
-    with pytest.raises(ValueError):
-        CudaOps._parse_attn_impl("wgmma")
+    run_attention(ops, cpu, rng, [0, 1531, 3], [1500, 300, 1], hq, hk, d, 16, q_scale=4.0)
 
 
 # -- CUDA graph capture -------------------------------------------------------------------------
-@pytest.mark.parametrize("impl", ["mma", "simt"])
-def test_decode_step_captures_in_a_cuda_graph(request, impl):
+def test_decode_step_captures_in_a_cuda_graph(ops):
     """linear (cuBLAS via our handle) + add_rms_norm + rope + write_kv + split-KV attention +
     sigmoid_mul captured once, replayed on new inputs: equal to the eager ops."""
     import cupy
-
-    ops = request.getfixturevalue("ops" if impl == "mma" else "simt_ops")
 
     rng = np.random.default_rng(40)
     b, hq, hk, d, hidden, bs, width = 8, 8, 2, 128, 1024, 16, 80   # 80 blocks: 1280 keys, 3 partitions
@@ -563,7 +534,7 @@ def test_qk_norm_rope_write_kv_fallback(ops, cpu):
 # -- decode attention over short contexts in wide block tables (as decode graphs see them) -------
 @pytest.mark.parametrize("d,hq,hk", [(64, 9, 3), (128, 16, 4), (256, 24, 4)])
 @pytest.mark.parametrize("width", [1, 4, 64])
-def test_decode_attention_short_contexts(ops, simt_ops, cpu, d, hq, hk, width):
+def test_decode_attention_short_contexts(ops, cpu, d, hq, hk, width):
     """Short contexts in a wide or narrow block table: one partition for the whole batch
     (nparts == 1), or many partitions of which each sequence fills only the first few (the
     split-KV merge of a single live partition, and of several)."""
@@ -578,7 +549,7 @@ def test_decode_attention_short_contexts(ops, simt_ops, cpu, d, hq, hk, width):
     k, v = poisoned_kv(rng, batch, nb, bs, hk, d)
     q = f32(rnd(rng, (batch.num_tokens, hq, d), BF16))
     ref = cpu.attention(q, k, v, batch, d ** -0.5)
-    for o in (ops, simt_ops):
+    for o in (ops,):
         for part in (None, 16, 64):
             old = o.part_tokens
             o.part_tokens = part

@@ -1,4 +1,4 @@
-"""GPU tests of GpuSampler (metrale/backends/cuda_sampling.py, kernels_cuda/sampling.cu) against
+"""GPU tests of GpuSampler (metrale/backends/cuda/sampling.py, kernels_cuda/sampling.cu) against
 numpy statements of the rules documented there: greedy, filters (top-k, top-p, min-p,
 top-n-sigma) as exact kept sets, penalties on the prepared logits, seeded reproducibility,
 empirical distributions, logprobs."""
@@ -19,7 +19,7 @@ def ops():
 
 
 def _sampler(ops, V, B=64, **kw):
-    from metrale.backends.cuda_sampling import GpuSampler
+    from metrale.backends.cuda.sampling import GpuSampler
     return GpuSampler(ops, V, B, **kw)
 
 

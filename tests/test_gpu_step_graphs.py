@@ -1,4 +1,4 @@
-"""Prefill / mixed steps padded into a token bucket (metrale.cuda_graphs.StepInputs: what the
+"""Prefill / mixed steps padded into a token bucket (metrale.backends.cuda.graphs.StepInputs: what the
 step graphs of --prefill-graphs replay) compute what the unpadded step does.
 
 CPU: the padded step's logits for the real rows equal the eager step's (fp32, rtol 1e-5: the
@@ -18,7 +18,7 @@ from tiny_models import VOCAB, load_tiny, make_tiny
 
 from metrale.backends.cpu import CpuOps
 from metrale.cache.kv import ModelCaches
-from metrale.cuda_graphs import (
+from metrale.backends.cuda.graphs import (
     StepBuckets,
     StepInputs,
     _layout_size,
@@ -314,7 +314,7 @@ def test_gpu_graphed_step_logits_match_eager(tmp_path):
     """The step graph's logits of a mixed step against the eager forward of the same step, from
     the same cache state (bf16: within 2e-2 of the largest logit)."""
     cp = pytest.importorskip("cupy")
-    from metrale.cuda_graphs import StepGraphs
+    from metrale.backends.cuda.graphs import StepGraphs
     from metrale.request import Request
     from metrale.sampling import SamplingParams
     from metrale.scheduler import ScheduledSeq

@@ -20,7 +20,7 @@ from test_scheduler import EOS, Clock, ToyRunner
 from metrale._hot.sampler_rows import MAX_LOGPROBS, NPRM, SamplerParamRows
 from metrale.cache.swap import SwapSpace
 from metrale.config import EngineConfig
-from metrale.cuda_graphs import DecodeInputs
+from metrale.backends.cuda.graphs import DecodeInputs
 from metrale.forward import ForwardBatch
 from metrale.request import Request
 from metrale.runner import ModelRunner

@@ -87,18 +87,19 @@ def test_backend_kernel_names_exist(name, tmp_path):
         "elementwise": [f"{k}_{s}" for s in ("bf16", "f32") for k in
                         ("embedding", "rms_norm_vec", "rms_norm_scalar", "head_norm_rope", "silu_mul",
                          "sigmoid_mul", "write_kv", "bias_add")],
-        "attention": ["decode_reduce"] + [f"{k}_d{d}" for d in (64, 128, 256) for k in ("decode_attn", "prefill_attn")],
+        "attention": ["decode_reduce"] + [f"prefill_mma_d{d}" for d in (64, 128, 256)]
+                     + [f"decode_mma_d{d}_h{h}" for d in (64, 128, 256) for h in (1, 2)],
     }[name]
     missing = [k for k in want if k not in kernels]
     assert not missing, f"{name}.cu does not export {missing}"
 
 
 # -- programmatic dependent launch: the rule of kernels_cuda/common.cuh -------------------------
-# metrale/backends/launch.py launches every kernel but the self-test with the PDL attribute, so a
+# metrale/backends/cuda/kernels.py launches every kernel but the self-test with the PDL attribute, so a
 # kernel may start while the previous one still writes. Each entry point therefore has to wait
 # (griddepcontrol.wait) before it touches memory; the only accesses allowed ahead of the wait are
 # read-only-path loads of weights, and only in the kernels listed here (their header says why).
-_PDL_EXEMPT = {"launch_selftest"}                      # launched plainly (metrale/backends/cuda.py)
+_PDL_EXEMPT = {"launch_selftest"}                      # launched plainly (metrale/backends/cuda/kernels.py)
 _PRE_WAIT_WEIGHT_LOADS = re.compile(r"^gemv_t\d+_r\d+_(bf16|f16|bf16_f32)$")   # gemv.cu: first weight round
 _MEM = re.compile(r"\b(ld\.global|st\.global|atom\.|red\.|cp\.async|cp\.reduce|ld\.volatile|st\.volatile|"
                   r"ld\.relaxed|ld\.acquire|st\.release|tex\.|suld|sust|ld\.(?!param|shared|local|const)\w*)")

@@ -1,4 +1,4 @@
-"""The packed-argument kernel launch path (metrale/backends/launch.py).
+"""The packed-argument kernel launch path (metrale/backends/cuda/kernels.py).
 
 CPU: the argument layout equals the C ABI's, with ctypes.Structure as the independent oracle
 (natural alignment, padding between 4- and 8-byte members). GPU: the self-test passes, a
@@ -10,7 +10,7 @@ import struct
 import numpy as np
 import pytest
 
-from metrale.backends.launch import arg_layout
+from metrale.backends.cuda.kernels import arg_layout
 
 _CTYPES = {"Q": ctypes.c_uint64, "q": ctypes.c_int64, "I": ctypes.c_uint32, "i": ctypes.c_int32,
            "H": ctypes.c_uint16, "h": ctypes.c_int16, "B": ctypes.c_uint8, "b": ctypes.c_int8,
@@ -54,7 +54,7 @@ def test_fast_kernel_hands_the_driver_each_value_at_its_param_pointer():
     kernelParams pointer back with the argument's C type, as cuLaunchKernel copies them."""
     from types import SimpleNamespace
 
-    from metrale.backends.launch import FastKernel
+    from metrale.backends.cuda.kernels import FastKernel
 
     seen = {}
 
@@ -83,7 +83,7 @@ def test_driver_binds_every_entry_point_and_names_errors(monkeypatch):
     """_Driver on a stand-in libcuda (no GPU here): cuLaunchKernel, cuLaunchKernelEx and
     cuGetErrorName are all bound, a failed launch status gets its driver name, and a PDL launch
     hands cuLaunchKernelEx a config with the grid, block, stream and the one attribute."""
-    from metrale.backends import launch
+    from metrale.backends.cuda import kernels as launch
 
     class Fn:
         def __init__(self, impl):
@@ -119,11 +119,11 @@ def test_driver_binds_every_entry_point_and_names_errors(monkeypatch):
 
 def test_pdl_attribute_only_between_our_kernels_inside_a_capture(monkeypatch):
     """Which launches carry the PDL attribute (on the CPU, a stand-in driver records them): none
-    outside pdl_capture(); inside, not the first kernel, not one after a foreign launch (cuBLAS,
+    outside LaunchContext.capture(); inside, not the first kernel, not one after a foreign launch (cuBLAS,
     a CuPy memset), not a kernel without the in-kernel wait (pdl=False), every other one."""
     from types import SimpleNamespace
 
-    from metrale.backends import launch
+    from metrale.backends.cuda import kernels as launch
 
     calls = []
 
@@ -136,11 +136,13 @@ def test_pdl_attribute_only_between_our_kernels_inside_a_capture(monkeypatch):
             calls.append("pdl")
             return 0
 
-    monkeypatch.setitem(launch._state, "pdl_ok", True)
-    prev = launch.set_pdl(True)
+    ctx = launch.LaunchContext()
+    ctx.pdl_ok = True
+    prev = ctx.set_pdl(True)
     try:
         raw = SimpleNamespace(kernel=SimpleNamespace(ptr=1), name="k")
-        ours, selftest = launch.FastKernel(raw, Driver(), pdl=True), launch.FastKernel(raw, Driver(), pdl=False)
+        ours = launch.FastKernel(raw, Driver(), pdl=True, ctx=ctx)
+        selftest = launch.FastKernel(raw, Driver(), pdl=False, ctx=ctx)
         stream = SimpleNamespace(ptr=0)
 
         def go(k):
@@ -148,11 +150,11 @@ def test_pdl_attribute_only_between_our_kernels_inside_a_capture(monkeypatch):
 
         go(ours)
         go(ours)                       # eager: plain
-        with launch.pdl_capture():
+        with ctx.capture():
             go(ours)                   # first in the capture: plain
             go(ours)
             go(ours)
-            launch.foreign_launch()    # a cuBLAS call
+            ctx.foreign()    # a cuBLAS call
             go(ours)
             go(ours)
             go(selftest)               # no in-kernel wait: plain
@@ -160,14 +162,14 @@ def test_pdl_attribute_only_between_our_kernels_inside_a_capture(monkeypatch):
             go(ours)
         go(ours)
         assert calls == ["plain", "plain", "plain", "pdl", "pdl", "plain", "pdl", "plain", "plain", "pdl", "plain"]
-        launch.set_pdl(False)
+        ctx.set_pdl(False)
         calls.clear()
-        with launch.pdl_capture():
+        with ctx.capture():
             go(ours)
             go(ours)
         assert calls == ["plain", "plain"]
     finally:
-        launch.set_pdl(prev)
+        ctx.set_pdl(prev)
 
 
 # -- on the GPU --------------------------------------------------------------------------------
@@ -180,7 +182,7 @@ def ops():
 
 @pytest.mark.gpu
 def test_self_test_passes_and_model_kernels_use_the_packed_path(ops):
-    from metrale.backends.launch import FastKernel
+    from metrale.backends.cuda.kernels import FastKernel
     k = ops.kernel("elementwise", "silu_mul_bf16")
     assert isinstance(k, FastKernel), "the packed launch path failed its self-test (see the log)"
 
@@ -247,14 +249,14 @@ def _sm90(ops) -> bool:
 
 @pytest.mark.gpu
 def test_pdl_launches_pass_their_self_test_on_sm90(ops):
-    from metrale.backends import launch
+    from metrale.backends.cuda import kernels as launch
 
     ops.kernel("elementwise", "silu_mul_bf16")       # the packed path decided (self-test run)
     if not _sm90(ops):
-        assert not launch.pdl_enabled()
+        assert not ops.launch.pdl_enabled
         return
-    assert launch._state.get("pdl_ok"), "the PDL self-test launch failed (see the log)"
-    assert launch.pdl_enabled() == (launch.levers.get("METRALE_PDL") == "1")
+    assert ops.launch.pdl_ok, "the PDL self-test launch failed (see the log)"
+    assert ops.launch.pdl_enabled == (launch.levers.get("METRALE_PDL") == "1")
     assert ops.kernel("gemv", "gemv_t1_r2_bf16").pdl
     assert not ops.kernel("launch_selftest", "launch_selftest").pdl
 
@@ -276,10 +278,8 @@ def test_pdl_chain_equals_plain_stream_order_eager_and_graphed(ops, t):
     the chain run eagerly in plain stream order. The input changes from replay to replay (a
     copy into the graph's input buffer just before it), so a kernel that read its input before
     the kernel (or copy) before it had written it would see the previous replay's values and
-    differ. Eager launches are plain in both passes (PDL applies inside pdl_capture only)."""
+    differ. Eager launches are plain in both passes (PDL applies inside LaunchContext.capture only)."""
     import cupy
-
-    from metrale.backends import launch
 
     if not _sm90(ops):
         pytest.skip("PDL needs sm_90")
@@ -293,11 +293,11 @@ def test_pdl_chain_equals_plain_stream_order_eager_and_graphed(ops, t):
     stream = cupy.cuda.Stream(non_blocking=True)
     pool = cupy.cuda.MemoryPool()
     got = {}
-    prev = launch.pdl_enabled()
+    prev = ops.launch.pdl_enabled
     try:
         for pdl in (False, True):
-            launch.set_pdl(pdl)
-            assert launch.pdl_enabled() == pdl
+            ops.launch.set_pdl(pdl)
+            assert ops.launch.pdl_enabled == pdl
             with cupy.cuda.using_allocator(pool.malloc), stream:
                 eager = []
                 for h, r in inputs:          # eager (the first pass tunes the GEMMs)
@@ -306,7 +306,7 @@ def test_pdl_chain_equals_plain_stream_order_eager_and_graphed(ops, t):
                 h_in, r_in = inputs[0][0].copy(), inputs[0][1].copy()
                 stream.synchronize()
                 stream.begin_capture()
-                with launch.pdl_capture():
+                with ops.launch.capture():
                     g_out, g_res = _layer_chain(ops, h_in, r_in, layers)
                 graph = stream.end_capture()
                 replays = []
@@ -318,7 +318,7 @@ def test_pdl_chain_equals_plain_stream_order_eager_and_graphed(ops, t):
                 stream.synchronize()
             got[pdl] = (eager, replays)
     finally:
-        launch.set_pdl(prev)
+        ops.launch.set_pdl(prev)
     ref = got[False][0]
     assert all(np.isfinite(a.astype(np.float32)).all() for pair in ref for a in pair)
     assert len({ref[i][0].tobytes() for i in range(N)}) == N        # the inputs do matter

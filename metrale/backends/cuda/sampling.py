@@ -31,13 +31,19 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import cupy as cp
 import numpy as np
 
 from metrale._hot.sampler_rows import MAX_LOGPROBS, NPRM, SamplerParamRows
+from metrale.backends.cuda.gdn import _kernel, _sfx, cp
+from metrale.backends.cuda.kernels import declare
 from metrale.sampling import SamplingParams
 
-from .cuda_gdn import _kernel, _sfx
+# kernels_cuda/sampling.cu ({} = bf16 | f32 logits)
+declare("sampling", "sample_prepare_{}", "const T* logits, long long ld, const int* prm, const int* counts, "
+        "const unsigned char* prompt, float* work, int V")
+declare("sampling", "sample_select_f32", "const float* work, int V, const int* prm, int* counts, int* out, int OW")
+declare("sampling", "sample_logprobs_{}", "const T* logits, long long ld, int V, const int* prm, int* out, int OW, "
+        "int K")
 
 
 @dataclass
@@ -119,21 +125,19 @@ class GpuSampler:
         slots = np.arange(B) if slots is None else np.asarray(slots)
         if logits.strides[-1] != logits.dtype.itemsize:
             logits = cp.ascontiguousarray(logits)
-        ld = np.int64(logits.strides[0] // logits.dtype.itemsize)
+        ld = logits.strides[0] // logits.dtype.itemsize
         prm = self.prm[:B]
         # pinned source: asynchronous on the current stream, ordered before the kernels; the
         # staging buffer is rewritten only after this step's result came back (.get() below)
         prm.set(self._pack(params, steps, slots), stream=cp.cuda.get_current_stream())
-        nullptr = np.uint64(0)  # a NULL pointer argument
-        counts = self.counts if self.counts is not None else nullptr
-        prompt = self.prompt if self.prompt is not None else nullptr
+        counts, prompt = self.counts, self.prompt      # None (NULL) without penalties
         sfx = _sfx(logits)
         chunks = min(64, (V + 1023) // 1024)
         _kernel(self.ops, "sampling.cu", f"sample_prepare_{sfx}")(
-            (chunks, B), (256,), (logits, ld, prm, counts, prompt, self.work, np.int32(V)))
+            (chunks, B), (256,), logits=logits, ld=ld, prm=prm, counts=counts, prompt=prompt, work=self.work, V=V)
         ow = self.out.shape[1]
         _kernel(self.ops, "sampling.cu", "sample_select_f32")(
-            (B,), (1024,), (self.work, np.int32(V), prm, counts, self.out, np.int32(ow)))
+            (B,), (1024,), work=self.work, V=V, prm=prm, counts=counts, out=self.out, OW=ow)
         kmax = max((min(p.logprobs, MAX_LOGPROBS) for p in params if p.logprobs is not None),
                    default=-1)
         if not logprobs or kmax < 0:
@@ -143,7 +147,7 @@ class GpuSampler:
             return toks if not logprobs else SampleResult(toks)
         K = max(kmax, 0)
         _kernel(self.ops, "sampling.cu", f"sample_logprobs_{sfx}")(
-            (B,), (1024,), (logits, ld, np.int32(V), prm, self.out, np.int32(ow), np.int32(K)))
+            (B,), (1024,), logits=logits, ld=ld, V=V, prm=prm, out=self.out, OW=ow, K=K)
         if before_wait is not None:
             before_wait()
         host = self.out[:B, :2 + 2 * K].get()          # the one device->host copy

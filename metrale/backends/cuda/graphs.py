@@ -26,7 +26,6 @@ from __future__ import annotations
 import numpy as np
 
 from metrale._hot.pack import PADDING, pack_batch, pack_decode
-from metrale.backends.launch import pdl_capture
 from metrale.forward import ForwardBatch, prefill_work_list
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
@@ -167,6 +166,28 @@ class DecodeInputs:
         return g
 
 
+def capture_forward(model, batch: ForwardBatch, caches, stream, launch):
+    """The one capture routine of the decode and step graphs: a warm-up forward over `batch`
+    (kernels loaded, the pool filled), then the forward captured on `stream` with programmatic
+    edges between our kernels (`launch`: the ops' LaunchContext, kernels.py). Returns (graph,
+    logits); on an error the stream leaves capture mode before it propagates."""
+    model.forward(batch, caches)
+    stream.synchronize()
+    stream.begin_capture()
+    try:
+        with launch.capture():
+            logits = model.forward(batch, caches)
+    except BaseException:
+        try:
+            stream.end_capture()
+        except Exception:  # noqa: BLE001 - the capture's own error is the one to report
+            pass
+        raise
+    graph = stream.end_capture()
+    stream.synchronize()
+    return graph, logits
+
+
 class _Graph:
     def __init__(self, inputs: GraphInputs, host, cp):
         self.inputs = inputs
@@ -186,6 +207,7 @@ class DecodeGraphs:
                  spare_block: int, spare_slot: int):
         self.model, self.ops, self.caches = model, ops, caches
         self.cp = ops.cp
+        self.launch = ops.launch
         self.width = max_blocks_per_seq
         self.spare_block, self.spare_slot = spare_block, spare_slot
         self.block_size = caches.block_size
@@ -213,14 +235,9 @@ class DecodeGraphs:
                 g = self.graphs[bucket]
                 self._pack(g, self._padding_batch(0))
                 g.device.set(g.host_view, stream=self.stream)
-                batch = g.batch(self.block_size)
-                self.model.forward(batch, self.caches)          # warm-up: kernels loaded, pool filled
-                self.stream.synchronize()
-                self.stream.begin_capture()
-                with pdl_capture():     # programmatic edges between our kernels (launch.py)
-                    g.logits = self.model.forward(batch, self.caches)
-                g.graph = self.stream.end_capture()
-                self.stream.synchronize()
+                g.graph, g.logits = capture_forward(self.model, g.batch(self.block_size), self.caches,
+                                                    self.stream, self.launch)
+        self.pdl = self.launch.pdl_enabled      # what the graphs were captured with
 
     def _padding_batch(self, n: int) -> ForwardBatch:
         return ForwardBatch(*(np.zeros(0 if f != "query_start_loc" else 1, np.int32)
@@ -441,6 +458,7 @@ class StepGraphs:
 
         self.model, self.caches = model, caches
         self.cp = ops.cp
+        self.launch = ops.launch
         self.block_size = caches.block_size
         self.pool, self.stream = pool, stream
         tiles = sorted({ops.prefill_tile_tokens(l.mixer.shape.n_heads, l.mixer.shape.n_kv_heads,
@@ -462,20 +480,8 @@ class StepGraphs:
                 inputs.pack_padding(ins.spare_block, ins.spare_slot)
                 g["device"].set(inputs.host_view, stream=self.stream)
                 batch = inputs.batch(_views(g["device"], inputs.layout), self.block_size)
-                self.model.forward(batch, self.caches)          # warm-up: kernels loaded, pool filled
-                self.stream.synchronize()
-                self.stream.begin_capture()
-                try:
-                    with pdl_capture():     # programmatic edges between our kernels (launch.py)
-                        g["logits"] = self.model.forward(batch, self.caches)
-                except BaseException:
-                    try:        # leave the engine's stream out of capture mode before giving up
-                        self.stream.end_capture()
-                    except Exception:
-                        pass
-                    raise
-                g["graph"] = self.stream.end_capture()
-                self.stream.synchronize()
+                g["graph"], g["logits"] = capture_forward(self.model, batch, self.caches, self.stream,
+                                                          self.launch)
 
     def run_step(self, seqs):
         """Replay the smallest bucket that holds the step `seqs` (ScheduledSeqs); None, with

@@ -17,7 +17,7 @@ import glob
 import os
 
 from metrale import levers
-from metrale.backends.launch import foreign_launch
+from metrale.backends.cuda.kernels import LaunchContext
 
 # cudaDataType / cublasComputeType_t / cublasOperation_t / cublasGemmAlgo_t values (cublas_api.h,
 # library_types.h)
@@ -110,8 +110,10 @@ def status_name(status: int) -> str:
 class Cublas:
     """One cuBLAS handle with its own workspace, rebound to the caller's stream on every call."""
 
-    def __init__(self, lib: ctypes.CDLL, workspace_ptr: int, workspace_bytes: int):
+    def __init__(self, lib: ctypes.CDLL, workspace_ptr: int, workspace_bytes: int,
+                 launch: LaunchContext | None = None):
         self.lib = lib
+        self.launch = launch if launch is not None else LaunchContext()   # PDL state (kernels.py)
         vp, i, u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
         lib.cublasCreate_v2.argtypes = [ctypes.POINTER(vp)]
         lib.cublasDestroy_v2.argtypes = [vp]
@@ -161,7 +163,7 @@ class Cublas:
         fp32 compute. `dtype_code` is CUDA_R_16BF / CUDA_R_16F / CUDA_R_32F for x and w, and
         for y unless `y_code` names another (CUDA_R_32F: 16-bit inputs, fp32 output)."""
         self.bind(stream_ptr)
-        foreign_launch()
+        self.launch.foreign()
         self._check(self.lib.cublasGemmEx(
             self.handle, CUBLAS_OP_T, CUBLAS_OP_N, n_out, t, k,
             self._p_one, w_ptr, dtype_code, w_ld, x_ptr, dtype_code, x_ld,

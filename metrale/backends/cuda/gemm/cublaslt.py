@@ -52,10 +52,11 @@ import logging
 import math
 import time
 
-from metrale.backends import cublas as _cublas
-from metrale.backends.cublas import (CUBLAS_COMPUTE_32F, CUBLAS_OP_N, CUBLAS_OP_T, CUDA_R_16BF, CUDA_R_16F,
+from metrale.backends.cuda.gemm import cublas as _cublas
+from metrale.backends.cuda.gemm.cublas import (CUBLAS_COMPUTE_32F, CUBLAS_OP_N, CUBLAS_OP_T, CUDA_R_16BF, CUDA_R_16F,
                                     CUDA_R_32F, CublasError)
-from metrale.backends.launch import foreign_launch
+from metrale.backends.cuda.kernels import LaunchContext
+from metrale.backends.cuda.kernels import declare as declare_kernel
 
 log = logging.getLogger("metrale.gemm")
 
@@ -86,7 +87,7 @@ CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE = 2   # fp32 partials in the workspace, s
 CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE = 4
 
 TUNE_MAX_T = 256             # more rows than this: prefill, GemmEx (tuning would not pay)
-# row counts that are tuned: the decode-graph buckets (metrale/cuda_graphs.py BUCKETS; a runner
+# row counts that are tuned: the decode-graph buckets (metrale/backends/cuda/graphs.py BUCKETS; a runner
 # whose largest bucket is not among them adds it to LtGemm.tune_t)
 TUNE_T = frozenset((1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256))
 TUNE_MIN_WEIGHTS = 1 << 20   # n_out * k below this: a tiny GEMM, host-bound anyway
@@ -106,6 +107,8 @@ GEMV_T = (1, 2, 4, 8)
 GEMV_R = (2, 4)
 GEMV_KS_LOG2 = (0, 1, 2)
 GEMV_WARPS = 4
+declare_kernel("gemv", "gemv_t{}_r{}_{*}", "const E* x, long long x_ld, const E* w, long long w_ld, O* y, long long y_ld, "
+        "int nt, int n, int k, int ks_log2, int accumulate")
 
 # cublasLtMatrixLayoutAttribute_t
 CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT = 5             # int32_t
@@ -225,7 +228,7 @@ class Plan:
 
 class OwnGemv:
     """Launches kernels_cuda/gemv.cu (gemv_t<T>_r<R>_<bf16|f16>) for LtGemm. `kernel(module, fn)`
-    returns a cupy RawKernel-like callable taking (grid, block, args, stream=...): CudaOps.kernel
+    returns the declared kernel (called by name, with stream=...): CudaOps.kernel
     (its KernelCache compiles the .cu once per arch). A config is (R, ks_log2): R output rows per
     group of 1 << ks_log2 warps splitting k (the layout of the .cu's header)."""
 
@@ -265,8 +268,6 @@ class OwnGemv:
 
     def launch(self, cfg, stream_ptr: int, x_ptr: int, x_ld: int, w_ptr: int, w_ld: int, y_ptr: int, y_ld: int,
                t: int, n_out: int, k: int, dtype_code: int, accumulate: bool, y_code: int | None = None) -> None:
-        import numpy as np
-
         r, ks = cfg
         f32_out = y_code == CUDA_R_32F and dtype_code != CUDA_R_32F
         fkey = (t, r, dtype_code, f32_out)
@@ -278,9 +279,8 @@ class OwnGemv:
         groups = -(-n_out // r)
         per_cta = GEMV_WARPS >> ks
         fn((-(-groups // per_cta),), (32 * GEMV_WARPS,),
-           (np.uint64(x_ptr), np.int64(x_ld), np.uint64(w_ptr), np.int64(w_ld), np.uint64(y_ptr), np.int64(y_ld),
-            np.int32(t), np.int32(n_out), np.int32(k), np.int32(ks), np.int32(1 if accumulate else 0)),
-           stream=self._stream(stream_ptr))
+           x=x_ptr, x_ld=x_ld, w=w_ptr, w_ld=w_ld, y=y_ptr, y_ld=y_ld, nt=t, n=n_out, k=k, ks_log2=ks,
+           accumulate=1 if accumulate else 0, stream=self._stream(stream_ptr))
 
 
 GEMMEX = Plan(tuned=True)   # shapes outside the tuning range (never mutated)
@@ -296,11 +296,12 @@ class LtGemm:
     own_gemv: an OwnGemv (or None): our GEMV kernels as extra candidates where they apply."""
 
     def __init__(self, lib: ctypes.CDLL, blas: _cublas.Cublas, workspace_ptr: int, workspace_bytes: int,
-                 mode: str = "tune", own_gemv: OwnGemv | None = None):
+                 mode: str = "tune", own_gemv: OwnGemv | None = None, launch: LaunchContext | None = None):
         if mode not in ("tune", "heuristic"):
             raise ValueError(f"LtGemm mode {mode!r}: expected 'tune' or 'heuristic'")
         self.lib, self.blas, self.mode = lib, blas, mode
         self.own_gemv = own_gemv
+        self.launch = launch if launch is not None else blas.launch   # PDL state (kernels.py)
         self.workspace_ptr, self.workspace_bytes = workspace_ptr, workspace_bytes
         vp = ctypes.c_void_p
         self._status_name = declare(lib)
@@ -527,7 +528,7 @@ class LtGemm:
                                         accumulate, y_code)
             return
         a_lay, b_lay, c_lay = plan.layouts
-        foreign_launch()
+        self.launch.foreign()
         self._check(self.lib.cublasLtMatmul(
             self.handle, self.desc, self._p_one, w_ptr, a_lay, x_ptr, b_lay,
             self._p_one if accumulate else self._p_zero, y_ptr, c_lay, y_ptr, c_lay,
@@ -656,7 +657,7 @@ class LtGemm:
         """parts[s] = x[:, slice s] @ w[:, slice s].T (fp32 [KSPLIT_S, t, n_out], contiguous)."""
         a_lay, b_lay, d_lay = plan.layouts
         self.last_plan = plan
-        foreign_launch()
+        self.launch.foreign()
         self._check(self.lib.cublasLtMatmul(
             self.handle, self.desc, self._p_one, w_ptr, a_lay, x_ptr, b_lay, self._p_zero, parts_ptr, d_lay,
             parts_ptr, d_lay, plan.p_algo, self.workspace_ptr, self.workspace_bytes, stream_ptr or None),
@@ -883,7 +884,7 @@ class LtGemm:
                     continue
                 s = self._time_graph(call(plan, accumulate), reps, GRAPH_REPLAYS)
             except (RuntimeError, cupy.cuda.runtime.CUDARuntimeError, cupy.cuda.driver.CUDADriverError) as e:
-                # CublasError, and a failed cuLaunchKernel of our GEMV (metrale.backends.launch)
+                # CublasError, and a failed cuLaunchKernel of our GEMV (metrale.backends.cuda.kernels)
                 rejected += 1
                 log.debug("gemm %s: %s failed: %s", key[:8], name, e)
                 continue
