@@ -113,7 +113,7 @@ class ModelRunner:
         if logits is not None:
             sampling = [s for s in seqs if s.sample]
             if len(sampling) != len(seqs):
-                logits = logits[np.asarray([i for i, s in enumerate(seqs) if s.sample])]
+                logits = logits[np.asarray([i for i, s in enumerate(seqs) if s.sample], dtype=np.intp)]
         else:
             hook()
             hook = _nothing
