@@ -45,7 +45,6 @@ from metrale.sampling import SamplingParams
 log = logging.getLogger("metrale.engine")
 requests_log = logging.getLogger("metrale.requests")
 
-HEARTBEAT_INTERVAL_S = 1.0
 FRONTEND_TIMEOUT_S = 5.0
 
 

@@ -38,8 +38,6 @@ class Submit:
     frontend_id: str
     prompt_token_ids: tuple[int, ...]
     sampling_params: dict
-    model: str = ""
-    extra: dict = field(default_factory=dict)  # stop strings etc. never reach the engine
 
 
 @dataclass(frozen=True)
@@ -213,7 +211,7 @@ def encode(msg) -> list[bytes]:
     """Message -> multipart frames."""
     if isinstance(msg, Submit):
         head = {"request_id": msg.request_id, "frontend_id": msg.frontend_id,
-                "sampling_params": msg.sampling_params, "model": msg.model, "extra": msg.extra}
+                "sampling_params": msg.sampling_params}
         return [b"submit", orjson.dumps(head), _ids_frame(msg.prompt_token_ids)]
     if isinstance(msg, StepOutput):
         rows = [(d.request_id, d.token_ids, d.finish_reason, d.num_prompt_tokens,

@@ -9,8 +9,7 @@ from metrale.events import FinishedRequests, Journal
 
 
 def test_submit_round_trip_keeps_tokens_and_params():
-    msg = wire.Submit("r1", "fe-1", (1, 2, 3, 70000), {"temperature": 0.5, "max_tokens": 9},
-                      model="m", extra={"stop": ["x"]})
+    msg = wire.Submit("r1", "fe-1", (1, 2, 3, 70000), {"temperature": 0.5, "max_tokens": 9})
     frames = wire.encode(msg)
     assert frames[0] == b"submit" and len(frames[2]) == 16  # raw int32 frame, no JSON tokens
     assert wire.decode(frames) == msg
