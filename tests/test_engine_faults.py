@@ -6,7 +6,7 @@ from tiny_models import make_tiny
 from metrale import wire
 from metrale.config import EngineConfig
 from metrale.core import EngineCore
-from metrale.engine import EngineAddresses, EngineServer
+from metrale.engine_server import EngineAddresses, EngineServer
 from metrale.models.loader import load_checkpoint
 
 

@@ -13,7 +13,7 @@ import zmq
 from metrale import wire
 from metrale.config import EngineConfig
 from metrale.core import EngineCore
-from metrale.engine import EngineAddresses, EngineServer
+from metrale.engine_server import EngineAddresses, EngineServer
 from metrale.events import Journal, read_events
 from metrale.models.loader import load_checkpoint
 from tiny_models import make_tiny

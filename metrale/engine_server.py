@@ -1,4 +1,5 @@
-"""The engine process: one busy loop per GPU rank.
+"""EngineServer: the engine process's socket loop, one per GPU rank (the process entry that
+builds it is metrale.engine_process).
 
     drain sockets -> schedule -> run -> commit -> publish
 

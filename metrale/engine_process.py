@@ -1,6 +1,6 @@
-"""The engine process: load the checkpoint, build the core, serve it over ZeroMQ until told to stop.
+"""The engine process's entry: load the checkpoint, build the core, serve it over ZeroMQ until told to stop.
 
-    python -m metrale.engine_main '<json spec>'      (started by `met serve`, see metrale.serve)
+    python -m metrale.engine_process '<json spec>'      (started by `met serve`, see metrale.serve)
 
 The spec (`EngineSpec.to_json`) names the model, the EngineConfig fields, the socket addresses,
 the journal folder and the settings frontends read from `model_info`. Everything a frontend needs
@@ -92,7 +92,7 @@ def _build_server(spec: EngineSpec, journal):
     from metrale import wire
     from metrale.chat import ChatTemplateError, load_chat_template
     from metrale.core import EngineCore
-    from metrale.engine import EngineAddresses, EngineServer
+    from metrale.engine_server import EngineAddresses, EngineServer
     from metrale.models.loader import load_checkpoint
     from metrale.ratelimit import RateLimiter
     from metrale.sampling import engine_sampling_defaults
