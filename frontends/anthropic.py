@@ -33,7 +33,7 @@ from frontends.request_plumbing import GenerateRoute, choice_specs, json_respons
 from frontends.worker import Worker, read_json, write_error
 from metrale.api import anthropic_schema as schema
 from metrale.api.errors import APIError
-from metrale.api.reasoning import ReasoningDelta
+from metrale.api.reasoning_parser import ReasoningDelta
 from metrale.api.tool_parsers import TextDelta, ToolArgsDelta, ToolCallEnd, ToolCallStart
 
 PATH_PREFIX = "/v1/messages"

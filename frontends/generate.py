@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from metrale.api import errors
 from metrale.api.errors import APIError
-from metrale.api.reasoning import ChatOutputParser, ReasoningParser
+from metrale.api.reasoning_parser import ChatOutputParser, ReasoningParser
 from metrale.api.tool_parsers import (ToolArgsDelta, ToolCallEnd, ToolCallStart,
                                       make_tool_parser)
 from metrale.client import AsyncEngineClient, EngineUnavailable

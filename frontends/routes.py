@@ -28,7 +28,7 @@ prefill that enforces tool_choice "required" / named (see frontends.generate.TOO
   * thinking budget: min(request, --max-thinking-budget); the request gives it as OpenAI
     `max_thinking_tokens` (or `chat_template_kwargs.thinking_budget`) or Anthropic
     `thinking.budget_tokens`. The engine forces "\n</think>\n\n" when it is used up
-    (metrale.thinking); models without single `<think>`/`</think>` tokens refuse a budget.
+    (metrale.thinking_budget); models without single `<think>`/`</think>` tokens refuse a budget.
   * --tool-max-tokens caps max_tokens whenever tools are present.
 
 Finish reasons (OpenAI routes): "stop", "length" (max_tokens or the context), "tool_calls",
@@ -54,7 +54,7 @@ from frontends.request_plumbing import (GenerateRoute, Resource, check_ids, choi
 from frontends.worker import Worker
 from metrale.api import errors
 from metrale.api import openai_schema as schema
-from metrale.api.reasoning import ReasoningDelta
+from metrale.api.reasoning_parser import ReasoningDelta
 from metrale.api.tool_parsers import TextDelta, ToolArgsDelta, ToolCallStart, collect
 from metrale.client import EngineUnavailable
 

@@ -84,7 +84,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0
-    # thinking budget (metrale.thinking): after `thinking_budget` tokens inside the think block
+    # thinking budget (metrale.thinking_budget): after `thinking_budget` tokens in the think block
     # the engine emits `forced_close_ids` instead of sampling. None = no budget.
     thinking_budget: int | None = None
     think_start_id: int | None = None

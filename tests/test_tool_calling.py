@@ -15,7 +15,7 @@ from frontends.generate import TOOL_PREFILLS, tool_prefill
 from metrale.api.tool_parsers import PARSERS, parse_complete
 from metrale.sampling import SamplingParams
 from tests.scripted_model import SERVE_ENV, make_scripted_model
-from metrale.thinking import next_forced_id
+from metrale.thinking_budget import next_forced_id
 from tests.serving import Server
 
 MODEL = "scripted"
