@@ -6,7 +6,7 @@ the engine, and `GenerateRoute`, which runs them and answers in JSON or SSE.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import falcon
 import orjson
@@ -201,10 +201,8 @@ def choice_specs(worker: Worker, greq: schema.GenerationParams, prompts: list[li
         except ValueError as e:
             raise schema.sampling_error(e)
         for i in range(greq.n):
-            d = params.to_dict()
-            if params.seed is not None:
-                d["seed"] = params.seed + i
-            specs.append(ChoiceSpec(p * greq.n + i, ids, d, greq.stop, plan))
+            choice = params if params.seed is None else replace(params, seed=params.seed + i)
+            specs.append(ChoiceSpec(p * greq.n + i, ids, choice, greq.stop, plan))
     return specs
 
 
@@ -221,7 +219,7 @@ class GenerateRoute(Resource):
     """What chat and completions share: run the specs, answer in JSON or SSE."""
 
     async def _run(self, req, resp, greq, specs: list[ChoiceSpec], prompts, fmt) -> None:
-        budget = sum(len(s.prompt_ids) + s.params["max_tokens"] for s in specs)
+        budget = sum(len(s.prompt_ids) + s.params.max_tokens for s in specs)
         try:
             await self.worker.rate_limit(req, resp, budget)
         except EngineUnavailable as e:

@@ -52,6 +52,7 @@ from frontends.request_plumbing import (GenerateRoute, Resource, check_ids, choi
                                         encode_prompt, json_response, prepare_chat,
                                         render_chat)
 from frontends.worker import Worker
+from metrale import wire
 from metrale.api import errors
 from metrale.api import openai_schema as schema
 from metrale.api.reasoning_parser import ReasoningDelta
@@ -63,7 +64,7 @@ class Health(Resource):
     async def on_get(self, req, resp):
         info = self.worker.ready()
         try:
-            await self.worker.client.control("health")
+            await self.worker.client.control(wire.HealthCheck())
         except EngineUnavailable as e:
             self.worker.engine_lost()
             raise errors.engine_unavailable(str(e))
@@ -74,7 +75,7 @@ class Metrics(Resource):
     async def on_get(self, req, resp):
         self.worker.ready()
         try:
-            stats = await self.worker.client.control("stats")
+            stats = await self.worker.client.control(wire.StatsQuery())
         except EngineUnavailable as e:
             raise errors.engine_unavailable(str(e))
         resp.content_type = "text/plain; version=0.0.4; charset=utf-8"

@@ -94,7 +94,7 @@ class Worker:
         while True:
             try:
                 info = wire.ModelInfo.from_dict(await self.client.control(
-                    "model_info", timeout_s=MODEL_INFO_TIMEOUT_S)).to_dict()
+                    wire.ModelInfoQuery(), timeout_s=MODEL_INFO_TIMEOUT_S)).to_dict()
             except EngineUnavailable:
                 await asyncio.sleep(MODEL_INFO_RETRY_S)
                 continue
@@ -179,8 +179,8 @@ class Worker:
     async def rate_limit(self, req, resp, num_tokens: int) -> None:
         if not self.info.get("rate_limit_enabled"):
             return
-        answer = await self.client.control("rate_limit", key=self.rate_limit_key(req),
-                                           tokens=num_tokens)
+        answer = await self.client.control(wire.RateLimitCheck(self.rate_limit_key(req),
+                                                               num_tokens))
         headers = {}
         for name in ("requests", "tokens"):
             if f"limit_{name}" in answer:

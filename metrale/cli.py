@@ -477,7 +477,7 @@ def _engine_answers(control: str, timeout_s: float = 3.0) -> bool:
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(control)
-        sock.send_multipart(wire.encode(wire.Control("health")))
+        sock.send_multipart(wire.encode(wire.HealthCheck()))
         return bool(sock.poll(int(timeout_s * 1000)))
     finally:
         sock.close(0)

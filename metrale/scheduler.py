@@ -181,6 +181,10 @@ class _StepBudget:
         return self.num_tokens <= 0 or self.num_seqs <= 0
 
 
+class QueueFull(ValueError):
+    """--max-num-seqs requests are queued or running already (the server answers 429)."""
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, num_kv_blocks: int, num_state_slots: int,
                  hybrid: bool, now=time.monotonic, swap: SwapSpace | None = None):
@@ -268,7 +272,7 @@ class Scheduler:
     def _validate(self, req: Request) -> None:
         n, limit = req.num_tokens, self.config.max_seq_len
         if not self.can_admit():
-            raise ValueError(f"queue full ({self.config.max_num_seqs} requests, "
+            raise QueueFull(f"queue full ({self.config.max_num_seqs} requests, "
                              "--max-num-seqs): retry later")
         if req.request_id in self._requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
