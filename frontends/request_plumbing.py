@@ -19,6 +19,7 @@ from metrale.api.errors import APIError
 from metrale.api.tool_parsers import PARSERS, ToolChoice, default_tool_parser
 from metrale.chat import ChatTemplateError, normalize_messages
 from metrale.client import EngineUnavailable
+from metrale.request import ContextLengthExceeded, check_context_length
 from metrale.sampling import apply_generation_defaults
 
 DONE = b"data: [DONE]\n\n"
@@ -181,18 +182,14 @@ def choice_specs(worker: Worker, greq: schema.GenerationParams, prompts: list[li
     for p, ids in enumerate(prompts):
         if not ids:
             raise errors.invalid("the prompt is empty (0 tokens)", param)
-        if len(ids) >= limit:
-            raise APIError(400, f"this model's maximum context length is {limit} tokens; the "
-                           f"prompt has {len(ids)} tokens; shorten it", param=param,
-                           code="context_length_exceeded")
         max_tokens = greq.max_tokens if greq.max_tokens is not None else limit - len(ids)
         if max_tokens_cap:
             max_tokens = min(max_tokens, max_tokens_cap)
-        if len(ids) + max_tokens > limit:
-            raise APIError(400, f"this model's maximum context length is {limit} tokens; you "
-                           f"asked for {len(ids) + max_tokens} ({len(ids)} in the prompt, "
-                           f"{max_tokens} in the completion); lower max_tokens",
-                           param="max_tokens", code="context_length_exceeded")
+        try:
+            check_context_length(len(ids), limit, max_tokens)
+        except ContextLengthExceeded as e:
+            raise APIError(400, str(e), param=param if e.param == "prompt" else "max_tokens",
+                           code="context_length_exceeded") from None
         fields = dict(greq.sampling, max_tokens=max_tokens, logprobs=greq.logprobs,
                       **(extra_sampling or {}))
         try:

@@ -53,7 +53,7 @@ from metrale.cache.block_pool import BlockPool, IntegrityError
 from metrale.cache.prefix_cache import PrefixCache, PrefixMatch
 from metrale.cache.swap import SwapSpace
 from metrale.config import ConfigError, EngineConfig
-from metrale.request import Request, RequestStatus
+from metrale.request import Request, RequestStatus, check_context_length
 
 
 @dataclass
@@ -278,9 +278,7 @@ class Scheduler:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         if n == 0:
             raise ValueError("the prompt is empty")
-        if n >= limit:
-            raise ValueError(f"the prompt has {n} tokens but --max-seq-len is {limit} (prompt "
-                             "and output together): shorten the prompt")
+        check_context_length(n, limit)
         if req.sampling_params.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {req.sampling_params.max_tokens}")
         if self._num_blocks(n + 1) > self.block_pool.num_blocks:
