@@ -4,7 +4,7 @@
     POST /v1/messages/count_tokens    {"input_tokens": N} of the rendered prompt
 
 Requests are validated and converted by metrale.api.anthropic_schema, then share the chat path
-of the OpenAI API (frontends.routes.prepare_chat, frontends.generate): the same parsers turn the
+of the OpenAI API (frontends.request_plumbing.prepare_chat, frontends.generate): the same parsers turn the
 output into thinking / text / tool_use blocks. `Blocks` folds the parsed events into content
 blocks and, while streaming, into the exact Anthropic event sequence:
 
@@ -28,12 +28,12 @@ import json
 
 import falcon
 
-from frontends.app import Worker, read_json
 from frontends.generate import ChoiceDone
-from frontends.routes import _Generate, _json, _specs, prepare_chat
+from frontends.request_plumbing import GenerateRoute, choice_specs, json_response, prepare_chat
+from frontends.worker import Worker, read_json, write_error
 from metrale.api import anthropic_schema as schema
 from metrale.api.errors import APIError
-from metrale.api.reasoning import ReasoningDelta
+from metrale.api.reasoning_parser import ReasoningDelta
 from metrale.api.tool_parsers import TextDelta, ToolArgsDelta, ToolCallEnd, ToolCallStart
 
 PATH_PREFIX = "/v1/messages"
@@ -133,7 +133,7 @@ def stop_reason(done: ChoiceDone, num_calls: int) -> tuple[str, str | None]:
 
 
 class _Format:
-    """What _Generate._run needs for the non-streamed answer."""
+    """What GenerateRoute._run needs for the non-streamed answer."""
 
     def __init__(self, model: str, display: str):
         self.id = schema.message_id()
@@ -156,13 +156,13 @@ def _usage(openai_usage: dict) -> dict:
     return schema.usage(openai_usage["prompt_tokens"], openai_usage["completion_tokens"], cached)
 
 
-class Messages(_Generate):
+class Messages(GenerateRoute):
     async def on_post(self, req, resp):
         info = self.worker.ready()
         body = await read_json(req, self.worker.settings)
         mreq = schema.parse_messages_request(body, served=info["name"])
         p = await asyncio.to_thread(_prepare, self.worker, mreq)     # templating + tokenizing
-        specs = _specs(self.worker, mreq, [p.ids], "messages", p.max_tokens_cap, p.plan,
+        specs = choice_specs(self.worker, mreq, [p.ids], "messages", p.max_tokens_cap, p.plan,
                        p.sampling)
         await self._run(req, resp, mreq, specs, [p.ids],
                         _Format(info["name"], mreq.thinking_display))
@@ -201,13 +201,13 @@ class Messages(_Generate):
             await events.aclose()
 
 
-class CountTokens(_Generate):
+class CountTokens(GenerateRoute):
     async def on_post(self, req, resp):
         info = self.worker.ready()
         body = await read_json(req, self.worker.settings)
         mreq = schema.parse_messages_request(body, count_only=True, served=info["name"])
         p = await asyncio.to_thread(_prepare, self.worker, mreq)
-        _json(resp, {"input_tokens": len(p.ids)})
+        json_response(resp, {"input_tokens": len(p.ids)})
 
 
 def _prepare(worker: Worker, mreq: schema.MessagesRequest):
@@ -219,9 +219,7 @@ def _prepare(worker: Worker, mreq: schema.MessagesRequest):
 async def on_api_error(req, resp, e: APIError, params, **kwargs):
     """APIError -> the Anthropic shape on /v1/messages*, else the app's own (OpenAI) shape."""
     if not req.path.startswith(PATH_PREFIX):
-        from frontends.app import _on_api_error
-
-        return await _on_api_error(req, resp, e, params, **kwargs)
+        return write_error(req, resp, e)
     resp.status = schema.error_status(e)
     resp.content_type = falcon.MEDIA_JSON
     resp.data = schema.error_json(e)

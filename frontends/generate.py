@@ -27,10 +27,11 @@ from dataclasses import dataclass, field
 
 from metrale.api import errors
 from metrale.api.errors import APIError
-from metrale.api.reasoning import ChatOutputParser, ReasoningParser
+from metrale.api.reasoning_parser import ChatOutputParser, ReasoningParser
 from metrale.api.tool_parsers import (ToolArgsDelta, ToolCallEnd, ToolCallStart,
                                       make_tool_parser)
 from metrale.client import AsyncEngineClient, EngineUnavailable
+from metrale.sampling import SamplingParams
 from metrale.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -78,7 +79,7 @@ class ChatPlan:
 class ChoiceSpec:
     index: int
     prompt_ids: list[int]
-    params: dict                       # SamplingParams.to_dict(), n = 1
+    params: SamplingParams             # validated, n = 1 (what the engine is sent)
     stop: list[str] = field(default_factory=list)
     plan: ChatPlan | None = None
 

@@ -12,7 +12,7 @@ from gunicorn.glogging import Logger
 from uvicorn_worker import UvicornWorker
 
 from metrale import levers
-from metrale.engine_main import LOG_FORMAT
+from metrale.engine_process import LOG_FORMAT
 
 GRACEFUL_TIMEOUT_S = 5
 

@@ -17,13 +17,13 @@ never a dead worker. Three layers, outermost first:
      plain HTTP/1 framing; real HTTP/2 needs a proxy in front);
    - 431 when the parsed headers total more than METRALE_MAX_HEADER_BYTES (h11 checks only heads
      that arrive in pieces, so this is the exact check);
-   - 401 from the auth gate (frontends.app.Worker.gate) before a byte of the body is read;
+   - 401 from the auth gate (frontends.worker.Worker.gate) before a byte of the body is read;
    - 413 when Content-Length exceeds METRALE_MAX_BODY_BYTES (before reading a byte), or when a
      chunked body grows past it;
    - 408 when the body has not fully arrived within METRALE_BODY_TIMEOUT_S of the head (one
      deadline for the whole body, applied to every `receive`);
    The body is read here, in full, and replayed to the app: handlers never wait on a slow client.
-3. `parse_json` (called by frontends.app.read_json for every JSON body): 400 for invalid JSON,
+3. `parse_json` (called by frontends.worker.read_json for every JSON body): 400 for invalid JSON,
    invalid UTF-8 or lone surrogates, NaN / Infinity / numbers that overflow a double (orjson
    refuses them), integers outside 64 bits, nesting deeper than MAX_JSON_DEPTH (a 100k-deep
    `[[[[...` stops at orjson's own depth limit of 1024, without recursion in Python), any string

@@ -16,7 +16,7 @@ import orjson
 
 from metrale import __version__
 from metrale.api import openai_schema as oai
-from metrale.sampling import _FLOAT_RULES, _INT_RULES
+from metrale.sampling import FLOAT_RULES, INT_RULES
 
 JSON = "application/json"
 INT64 = {"type": "integer", "minimum": -2**63, "maximum": 2**63 - 1}
@@ -44,10 +44,10 @@ def _nullable(schema: dict) -> dict:
 
 def _sampling(max_seq_len: int | None) -> dict:
     """The sampling and stopping fields both OpenAI generation routes read."""
-    props = {name: _nullable(_rule(_FLOAT_RULES[name], False)) for name in oai._NUMBER_FIELDS
-             if name in _FLOAT_RULES}
-    for name in oai._INT_FIELDS:
-        props[name] = _nullable(_rule(_INT_RULES[name], True) if name in _INT_RULES else INT64)
+    props = {name: _nullable(_rule(FLOAT_RULES[name], False)) for name in oai.NUMBER_FIELDS
+             if name in FLOAT_RULES}
+    for name in oai.INT_FIELDS:
+        props[name] = _nullable(_rule(INT_RULES[name], True) if name in INT_RULES else INT64)
     max_tokens = {"type": "integer", "minimum": 1}
     if max_seq_len:
         max_tokens["maximum"] = max_seq_len

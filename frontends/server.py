@@ -40,7 +40,7 @@ def run_frontends(spec: dict) -> None:
 
 
 def main(argv=None) -> int:
-    from metrale.engine_main import setup_logging
+    from metrale.engine_process import setup_logging
 
     setup_logging()
     run_frontends(json.loads((sys.argv[1:] if argv is None else argv)[0]))

@@ -350,8 +350,8 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def cmd_serve(args) -> int:
-    from metrale.engine import EngineAddresses, default_journal_dir
-    from metrale.engine_main import EngineSpec
+    from metrale.engine_server import EngineAddresses, default_journal_dir
+    from metrale.engine_process import EngineSpec
     from metrale import serve
 
     if args.tensor_parallel_size != 1:
@@ -413,7 +413,7 @@ def _maybe_default() -> str | None:
 
 
 def cmd_frontend(args) -> int:
-    from metrale.engine import EngineAddresses
+    from metrale.engine_server import EngineAddresses
     from frontends.server import run_frontends
 
     addresses = EngineAddresses.tcp(*_parse_tcp(args.engine, "--engine"))
@@ -424,7 +424,7 @@ def cmd_frontend(args) -> int:
 
 
 def cmd_events(args) -> int:
-    from metrale.engine import default_journal_dir
+    from metrale.engine_server import default_journal_dir
     from metrale.events import read_events
 
     journal = Path(args.event_log or default_journal_dir())
@@ -448,7 +448,7 @@ def cmd_events(args) -> int:
 def _live_engine(args, journal: Path):
     """The addresses of the engine to follow (--engine, else the journal's engine.json), once
     it answers a health request; CLIError naming what is missing otherwise."""
-    from metrale.engine import EngineAddresses
+    from metrale.engine_server import EngineAddresses
     from metrale.events import ADDRESSES_FILE
 
     if args.engine:
@@ -478,7 +478,7 @@ def _engine_answers(control: str, timeout_s: float = 3.0) -> bool:
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(control)
-        sock.send_multipart(wire.encode(wire.Control("health")))
+        sock.send_multipart(wire.encode(wire.HealthCheck()))
         return bool(sock.poll(int(timeout_s * 1000)))
     finally:
         sock.close(0)
@@ -548,7 +548,7 @@ def _subparser(parser: argparse.ArgumentParser, command: str | None) -> argparse
 
 
 def _setup_logging() -> None:
-    from metrale.engine_main import setup_logging
+    from metrale.engine_process import setup_logging
 
     setup_logging()
 

@@ -21,8 +21,9 @@ Liveness, both ways, independent of request work:
   of this worker gets an error delta (503) at once, and `on_lost` is called; new submits are
   refused with EngineUnavailable until the engine is heard again.
 
-    async for delta in client.generate(request_id, prompt_ids, params_dict):
+    async for delta in client.generate(request_id, prompt_ids, sampling_params):
         ...   # wire.TokenDelta; the last one has finish_reason set
+    reply_data = await client.control(wire.StatsQuery())
 """
 from __future__ import annotations
 
@@ -39,10 +40,10 @@ import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
 from metrale import wire
+from metrale.sampling import SamplingParams
 
 log = logging.getLogger("metrale.client")
 
-HEARTBEAT_INTERVAL_S = 1.0
 ENGINE_SILENCE_S = 120.0       # no echo for this long while requests are open: the engine hangs
 ZMTP_HEARTBEAT_IVL_MS = 1000   # connection-level pings, answered by the engine's libzmq I/O thread
 ZMTP_HEARTBEAT_TIMEOUT_MS = 3000
@@ -54,13 +55,13 @@ class EngineUnavailable(RuntimeError):
 
 
 class _HeartbeatThread(threading.Thread):
-    """Sends this frontend's heartbeat every HEARTBEAT_INTERVAL_S on a socket of its own: the
+    """Sends this frontend's heartbeat every wire.HEARTBEAT_INTERVAL_S on a socket of its own: the
     engine hears it whatever the event loop is doing."""
 
     def __init__(self, address: str, frontend_id: str):
         super().__init__(name="metrale-heartbeat", daemon=True)
         self.address = address
-        self.msg = wire.encode(wire.Control("heartbeat", {"frontend_id": frontend_id}))
+        self.msg = wire.encode(wire.Heartbeat(frontend_id))
         self.stopped = threading.Event()
 
     def run(self) -> None:
@@ -73,7 +74,7 @@ class _HeartbeatThread(threading.Thread):
             while not self.stopped.is_set():
                 with contextlib.suppress(zmq.Again):
                     sock.send_multipart(self.msg, zmq.NOBLOCK)
-                self.stopped.wait(HEARTBEAT_INTERVAL_S)
+                self.stopped.wait(wire.HEARTBEAT_INTERVAL_S)
         finally:
             sock.close(0)
 
@@ -200,7 +201,7 @@ class AsyncEngineClient:
             return False
 
     # -- requests ---------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_token_ids, sampling_params: dict):
+    async def generate(self, request_id: str, prompt_token_ids, sampling_params: SamplingParams):
         """Submit and yield the request's TokenDeltas until it finishes. Leaving the iterator
         early (client disconnect, stop string matched) aborts the request in the engine. A
         lost engine ends it with an error delta (error_status 503)."""
@@ -236,16 +237,18 @@ class AsyncEngineClient:
                                            zmq.NOBLOCK)
 
     # -- control ----------------------------------------------------------------------------
-    async def control(self, op: str, timeout_s: float | None = None, **args) -> dict:
-        """One control round trip; EngineUnavailable when the engine does not answer within
-        `timeout_s` (default: control_timeout_s)."""
+    async def control(self, request, timeout_s: float | None = None) -> dict:
+        """One control round trip (`request`: one of wire.CONTROL_REQUESTS) -> the reply's data;
+        EngineUnavailable when the engine does not answer within `timeout_s` (default:
+        control_timeout_s), ValueError with the engine's message when it refused."""
+        op = wire.kind(request)
         timeout_s = self.control_timeout_s if timeout_s is None else timeout_s
         async with self._control_lock:
             if self._dealer is None:
                 self._dealer = self.ctx.socket(zmq.DEALER)
                 self._dealer.setsockopt(zmq.LINGER, 0)
                 self._dealer.connect(self.addresses["control"])
-            await self._dealer.send_multipart(wire.encode(wire.Control(op, args)))
+            await self._dealer.send_multipart(wire.encode(request))
             if not await self._dealer.poll(int(timeout_s * 1000)):
                 # the reply may still come: a fresh socket keeps it from answering the next call
                 self._dealer.close(0)

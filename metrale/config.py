@@ -6,7 +6,7 @@ reference in shared/seeds.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -57,7 +57,6 @@ class EngineConfig:
     warmup: str = "auto"                  # startup warm-up: auto (on for cuda) | on | off
     prefill_graphs: str = "on"            # CUDA graphs for prefill / mixed steps too: on | off
     seed: int | None = None               # engine seed for unseeded requests; None = from the OS
-    extra: dict = field(default_factory=dict)
 
     def validate(self) -> "EngineConfig":
         positive = ("max_seq_len", "max_batch_size", "max_num_seqs", "max_prefill_tokens",
@@ -100,7 +99,3 @@ class EngineConfig:
                               f"{self.default_top_n_sigma}")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
             raise ConfigError(f"--seed must be an integer in [0, 2^63), got {self.seed!r}")
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]

@@ -4,7 +4,7 @@
     sampled = runner.execute(out)               # the forward pass + sampling
     done    = scheduler.update_from_output(...)  # commit tokens, stop checks, free
 
-The serving engine process (metrale.engine) and the offline API (metrale.llm) both drive it;
+The serving engine process (metrale.engine_server) and the offline API (metrale.llm) both drive it;
 neither touches the scheduler or the runner directly.
 """
 from __future__ import annotations

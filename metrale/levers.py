@@ -59,6 +59,10 @@ LEVERS: dict[str, Lever] = {lv.name: lv for lv in (
           "1 = in captured CUDA graphs on sm_90+, each of our kernels that follows another of "
           "ours gets a programmatic edge (it launches while that one drains and waits for its "
           "inputs in-kernel: kernels_cuda/README.md); 0 = plain stream order"),
+    Lever("METRALE_MODEL_PLUGINS", str, "", "metrale/engine_process.py",
+          "tests only: comma-separated modules the engine process imports before it loads the "
+          "model; they add fixture models with metrale.models.registry.register (e.g. "
+          "tests.scripted_model); empty = none"),
     Lever("METRALE_CUDA_POISON", str, "", "metrale/backends/cuda/ops.py",
           "1 = fill every new CUDA op output with NaN first (tests: catches unwritten outputs)"),
 )}

@@ -15,6 +15,34 @@ from dataclasses import dataclass, field
 from metrale.sampling import SamplingParams
 
 
+class ContextLengthExceeded(ValueError):
+    """The prompt, or the prompt and the output asked for, cannot fit the context. `param` is
+    the request field to change ("prompt" or "max_tokens")."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def check_context_length(num_prompt_tokens: int, max_seq_len: int,
+                         max_tokens: int | None = None) -> None:
+    """The context-length rule, in one place: a prompt must leave room for one output token
+    and, when `max_tokens` is given, the prompt and max_tokens must fit max_seq_len together.
+    The frontends apply it before submitting (400 context_length_exceeded, max_tokens given);
+    the scheduler at admission for every caller (without max_tokens: an output that reaches the
+    context ends with "length")."""
+    n, limit = num_prompt_tokens, max_seq_len
+    if n >= limit:
+        raise ContextLengthExceeded(
+            f"this model's maximum context length is {limit} tokens (--max-seq-len); the "
+            f"prompt has {n} tokens; shorten it", "prompt")
+    if max_tokens is not None and n + max_tokens > limit:
+        raise ContextLengthExceeded(
+            f"this model's maximum context length is {limit} tokens; you asked for "
+            f"{n + max_tokens} ({n} in the prompt, {max_tokens} in the completion); lower "
+            "max_tokens", "max_tokens")
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"        # queued, never scheduled
     RUNNING = "running"        # holds KV blocks and a state slot

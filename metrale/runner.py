@@ -14,7 +14,7 @@ import numpy as np
 from metrale._hot.pack import pack_batch, sample_inputs
 from metrale.forward import ForwardBatch
 from metrale.sampling import Sampler, make_generator
-from metrale.thinking import force_thinking_close
+from metrale.thinking_budget import force_thinking_close
 
 
 @dataclass(slots=True)

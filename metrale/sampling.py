@@ -84,7 +84,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0
-    # thinking budget (metrale.thinking): after `thinking_budget` tokens inside the think block
+    # thinking budget (metrale.thinking_budget): after `thinking_budget` tokens in the think block
     # the engine emits `forced_close_ids` instead of sampling. None = no budget.
     thinking_budget: int | None = None
     think_start_id: int | None = None
@@ -111,9 +111,9 @@ class SamplingParams:
         temperature below GREEDY_TEMPERATURE to 0 (greedy): dividing logits by it would
         overflow to inf/NaN (as vLLM does). Returns self, so `SamplingParams(**d).validate()`
         chains."""
-        for name, rule in _INT_RULES.items():
+        for name, rule in INT_RULES.items():
             _check(name, getattr(self, name), rule, integer=True)
-        for name, rule in _FLOAT_RULES.items():
+        for name, rule in FLOAT_RULES.items():
             _check(name, getattr(self, name), rule, integer=False)
         if self.top_k == -1:
             self.top_k = 0
@@ -168,13 +168,13 @@ class _Rule:
         return f"{text} ({self.note})" if self.note else text
 
 
-_INT_RULES = {
+INT_RULES = {
     "max_tokens": _Rule(1, None),
     "n": _Rule(1, None),
     "top_k": _Rule(-1, None, note="0 or -1 = off"),
     "min_tokens": _Rule(0, None),
 }
-_FLOAT_RULES = {
+FLOAT_RULES = {
     "temperature": _Rule(0, None, note="0 = greedy"),
     "top_p": _Rule(0, 1, low_open=True, note="1 = off"),
     "min_p": _Rule(0, 1, note="0 = off"),

@@ -53,7 +53,7 @@ from metrale.cache.block_pool import BlockPool, IntegrityError
 from metrale.cache.prefix_cache import PrefixCache, PrefixMatch
 from metrale.cache.swap import SwapSpace
 from metrale.config import ConfigError, EngineConfig
-from metrale.request import Request, RequestStatus
+from metrale.request import Request, RequestStatus, check_context_length
 
 
 @dataclass
@@ -181,6 +181,10 @@ class _StepBudget:
         return self.num_tokens <= 0 or self.num_seqs <= 0
 
 
+class QueueFull(ValueError):
+    """--max-num-seqs requests are queued or running already (the server answers 429)."""
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, num_kv_blocks: int, num_state_slots: int,
                  hybrid: bool, now=time.monotonic, swap: SwapSpace | None = None):
@@ -268,15 +272,13 @@ class Scheduler:
     def _validate(self, req: Request) -> None:
         n, limit = req.num_tokens, self.config.max_seq_len
         if not self.can_admit():
-            raise ValueError(f"queue full ({self.config.max_num_seqs} requests, "
+            raise QueueFull(f"queue full ({self.config.max_num_seqs} requests, "
                              "--max-num-seqs): retry later")
         if req.request_id in self._requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         if n == 0:
             raise ValueError("the prompt is empty")
-        if n >= limit:
-            raise ValueError(f"the prompt has {n} tokens but --max-seq-len is {limit} (prompt "
-                             "and output together): shorten the prompt")
+        check_context_length(n, limit)
         if req.sampling_params.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {req.sampling_params.max_tokens}")
         if self._num_blocks(n + 1) > self.block_pool.num_blocks:

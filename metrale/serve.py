@@ -1,6 +1,6 @@
 """`met serve`: one engine process and one gunicorn arbiter of N frontend workers, supervised.
 
-    met serve ──spawn──▶ python -m metrale.engine_main SPEC     (loads the model, binds ipc/tcp)
+    met serve ──spawn──▶ python -m metrale.engine_process SPEC     (loads the model, binds ipc/tcp)
               ──spawn──▶ python -m frontends.server SPEC        (gunicorn: N uvicorn workers, one port)
 
 The frontends start at once and answer /health with 503 until the engine has loaded; "serving
@@ -43,7 +43,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from metrale.engine_main import EngineSpec
+from metrale.engine_process import EngineSpec
 from metrale.events import holder_pid
 
 log = logging.getLogger("metrale.serve")
@@ -95,7 +95,7 @@ class Supervisor:
     def run(self) -> int:
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
-        self.engine = self._spawn("metrale.engine_main", self.engine_spec.to_json())
+        self.engine = self._spawn("metrale.engine_process", self.engine_spec.to_json())
         if self.frontend_spec is not None:
             self.frontends = self._spawn("frontends.server", json.dumps(self.frontend_spec))
         try:
@@ -134,7 +134,7 @@ class Supervisor:
         while not self.stopping and time.monotonic() < deadline:
             time.sleep(0.05)
         if not self.stopping:
-            self.engine = self._spawn("metrale.engine_main", self.engine_spec.to_json())
+            self.engine = self._spawn("metrale.engine_process", self.engine_spec.to_json())
             log.info("engine restarted (pid %d)", self.engine.pid)
         return True
 

@@ -8,11 +8,19 @@ decode step at that batch is ~2 ms). Messages are frozen dataclasses named for w
 commands imperative (Submit, Abort), replies and outputs as nouns.
 
 Sockets (DESIGN.md section 2):
-  frontend PUSH  -> engine PULL     Submit, Abort
+  frontend PUSH  -> engine PULL     Submit, Abort, Heartbeat
   engine   PUB   -> frontend SUB    StepOutput (topic = frontend id: each frontend gets only its own)
-  frontend DEALER <-> engine ROUTER Control request/reply (health, stats, model info, rate limits)
-                                    (model_info's data is a ModelInfo: typed, validated, JSON-safe)
+  frontend DEALER <-> engine ROUTER a control request (HealthCheck, ModelInfoQuery, StatsQuery,
+                                    RateLimitCheck) -> ControlReply (model_info's data is a
+                                    ModelInfo: typed, validated, JSON-safe)
   engine   PUB   -> anyone SUB      events (topic = event type), see metrale.events
+
+Liveness: a frontend sends a Heartbeat every HEARTBEAT_INTERVAL_S (from a thread of its own)
+and the engine echoes it on the frontend's topic; a frontend the engine has not heard for
+PEER_TIMEOUT_S is gone (its requests are aborted). The other way is metrale.client's rule: the
+engine is gone when its connection closes or stops answering ZMTP heartbeats; an echo silence
+counts only as a long backstop, since the engine echoes between steps and one CPU step can take
+tens of seconds.
 """
 from __future__ import annotations
 
@@ -25,11 +33,14 @@ from typing import NamedTuple
 import numpy as np
 import orjson
 
-from metrale.sampling import GENERATION_CONFIG_FIELDS
+from metrale.sampling import GENERATION_CONFIG_FIELDS, SamplingParams
 from metrale.tokenizer import NAMED_SPECIAL_TOKENS
 
 ENCODING = "metrale/1"
 log = logging.getLogger("metrale.wire")
+
+HEARTBEAT_INTERVAL_S = 1.0   # a frontend's Heartbeat period
+PEER_TIMEOUT_S = 5.0         # silent this long: the other side is gone (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -37,15 +48,19 @@ class Submit:
     request_id: str
     frontend_id: str
     prompt_token_ids: tuple[int, ...]
-    sampling_params: dict
-    model: str = ""
-    extra: dict = field(default_factory=dict)  # stop strings etc. never reach the engine
+    sampling_params: SamplingParams   # built (and validated) by the frontend; the engine checks
+                                      # it again at admission: a frontend may be another host's
 
 
 @dataclass(frozen=True)
 class Abort:
     request_id: str
     reason: str = "abort"
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    frontend_id: str
 
 
 class TokenDelta(NamedTuple):
@@ -69,10 +84,27 @@ class StepOutput:
     deltas: tuple[TokenDelta, ...]
 
 
+# -- control requests (DEALER -> ROUTER), each answered by a ControlReply ---------------------
 @dataclass(frozen=True)
-class Control:
-    op: str                       # health | stats | model_info | rate_limit
-    args: dict = field(default_factory=dict)
+class HealthCheck:
+    pass
+
+
+@dataclass(frozen=True)
+class ModelInfoQuery:
+    """Answered with ModelInfo.to_dict()."""
+
+
+@dataclass(frozen=True)
+class StatsQuery:
+    """Answered with {"prometheus": text, "running": n, "rate_limit_keys": n}."""
+
+
+@dataclass(frozen=True)
+class RateLimitCheck:
+    """Charge `tokens` to `key`'s buckets; answered with metrale.ratelimit's verdict."""
+    key: str = ""
+    tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -211,21 +243,21 @@ def _ids(frame) -> tuple[int, ...]:
 
 def encode(msg) -> list[bytes]:
     """Message -> multipart frames."""
-    if isinstance(msg, Submit):
-        head = {"request_id": msg.request_id, "frontend_id": msg.frontend_id,
-                "sampling_params": msg.sampling_params, "model": msg.model, "extra": msg.extra}
-        return [b"submit", orjson.dumps(head), _ids_frame(msg.prompt_token_ids)]
-    if isinstance(msg, StepOutput):
+    if type(msg) is StepOutput:
         rows = [(d.request_id, d.token_ids, d.finish_reason, d.num_prompt_tokens,
                  d.num_output_tokens, d.num_cached_tokens, d.logprobs, d.error, d.error_status)
                 for d in msg.deltas]
         # OPT_SERIALIZE_NUMPY: a numpy integer id or float logprob from a sampler serialises too
         return [b"step", orjson.dumps({"frontend_id": msg.frontend_id, "deltas": rows},
                                       option=orjson.OPT_SERIALIZE_NUMPY)]
-    for kind, cls in _SIMPLE.items():
-        if isinstance(msg, cls):
-            return [kind, orjson.dumps(asdict(msg))]
-    raise TypeError(f"not a wire message: {type(msg).__name__}")
+    if type(msg) is Submit:
+        head = {"request_id": msg.request_id, "frontend_id": msg.frontend_id,
+                "sampling_params": msg.sampling_params.to_dict()}
+        return [b"submit", orjson.dumps(head), _ids_frame(msg.prompt_token_ids)]
+    kind = _KIND_OF.get(type(msg))
+    if kind is None:
+        raise TypeError(f"not a wire message: {type(msg).__name__}")
+    return [kind, orjson.dumps(asdict(msg))]
 
 
 def decode(frames: list[bytes]):
@@ -236,7 +268,8 @@ def decode(frames: list[bytes]):
     try:
         head = orjson.loads(frames[1])
         if kind == b"submit":
-            return Submit(prompt_token_ids=_ids(frames[2]), **head)
+            params = SamplingParams.from_dict(head.pop("sampling_params"))
+            return Submit(prompt_token_ids=_ids(frames[2]), sampling_params=params, **head)
         if kind == b"step":
             deltas = tuple(
                 TokenDelta(rid, tuple(ids), finish, n_prompt, n_out, n_cached,
@@ -246,7 +279,8 @@ def decode(frames: list[bytes]):
                 raise ValueError("a delta's request id is not a string")
             return StepOutput(frontend_id=head["frontend_id"], deltas=deltas)
         cls = _SIMPLE[kind]
-    except (KeyError, IndexError, TypeError, ValueError, orjson.JSONDecodeError) as e:
+    except (AttributeError, KeyError, IndexError, TypeError, ValueError,
+            orjson.JSONDecodeError) as e:
         raise ValueError(f"malformed {kind!r} message: {e}") from e
     return cls(**head)
 
@@ -256,4 +290,13 @@ def _tuplify(x):
     return tuple(_tuplify(i) if isinstance(i, (list, tuple)) else i for i in x)
 
 
-_SIMPLE = {b"abort": Abort, b"control": Control, b"reply": ControlReply}
+_SIMPLE = {b"abort": Abort, b"heartbeat": Heartbeat, b"health": HealthCheck,
+           b"model_info": ModelInfoQuery, b"stats": StatsQuery, b"rate_limit": RateLimitCheck,
+           b"reply": ControlReply}
+_KIND_OF = {cls: kind for kind, cls in _SIMPLE.items()}
+CONTROL_REQUESTS = (HealthCheck, ModelInfoQuery, StatsQuery, RateLimitCheck)
+
+
+def kind(msg) -> str:
+    """A message's kind as it travels (its first frame): "health", "rate_limit", ..."""
+    return _KIND_OF[type(msg)].decode()

@@ -101,7 +101,7 @@ def rss_kib(root_pid: int) -> dict:
         rss = next((int(ln.split()[1]) for ln in status.splitlines()
                     if ln.startswith("VmRSS:")), 0)
         name = cmdline(pid)
-        kind = "engine" if "engine_main" in name else "frontend" if "frontends" in name \
+        kind = "engine" if "engine_process" in name else "frontend" if "frontends" in name \
             else "serve"
         out.setdefault(kind, 0)
         out[kind] += rss
@@ -275,7 +275,7 @@ def journal_events(events_dir: Path) -> list[dict]:
 
 
 async def phase_engine_kill(srv: Server, events_dir: Path) -> dict:
-    engine = next(p for p in descendants(srv.proc.pid) if "metrale.engine_main" in cmdline(p))
+    engine = next(p for p in descendants(srv.proc.pid) if "metrale.engine_process" in cmdline(p))
     async with httpx.AsyncClient(timeout=300) as http:
         tasks = [asyncio.create_task(stream(http, srv.url, {
             "model": MODEL, "prompt": f"victim {i}", "max_tokens": 3000,

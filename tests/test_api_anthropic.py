@@ -1,5 +1,5 @@
 """The Anthropic Messages API through the official `anthropic` SDK, against a live `met serve`
-of the scripted test model (metrale.testing_models) with --tool-call-parser hermes and
+of the scripted test model (tests.scripted_model) with --tool-call-parser hermes and
 --require-auth (the SDK sends its key as x-api-key). Streamed and non-streamed messages agree
 block for block; the raw stream follows Anthropic's event order; errors have Anthropic's shape.
 The last test kills the engine: /v1/messages then answers 529 overloaded_error."""
@@ -12,7 +12,7 @@ import pytest
 import requests
 
 from metrale.api import anthropic_schema
-from metrale.testing_models import make_scripted_model
+from tests.scripted_model import SERVE_ENV, make_scripted_model
 from tests.serving import Server, free_port
 from tests.test_tool_calling import SCRIPTS
 
@@ -31,7 +31,7 @@ def server(tmp_path_factory):
     path = make_scripted_model(root / "model", SCRIPTS)
     with Server(["serve", path, "--model-name", MODEL, "--frontends", "1", "--max-seq-len",
                  "2048", "--no-event-log", "--tool-call-parser", "hermes", "--require-auth",
-                 "--auth-token", KEY], root / "serve.log").serving(180) as srv:
+                 "--auth-token", KEY], root / "serve.log", env=SERVE_ENV).serving(180) as srv:
         yield srv
 
 

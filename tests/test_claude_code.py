@@ -7,7 +7,7 @@ output_config and 12 tools) into the repo's gitignored .cache/, once; reruns reu
 no test: it fails, it does not skip (CI has npm).
 
 A tiny random model never calls a tool, so the server runs the scripted test model
-(metrale.testing_models) with --tool-call-parser hermes: asked to read the file it answers with
+(tests.scripted_model) with --tool-call-parser hermes: asked to read the file it answers with
 a Read call on it; once the tool_result holding the file's text is in the prompt it answers
 with a sentence that only that turn can produce. Claude Code runs the Read tool itself
 (--allowedTools Read) and posts the result back, so the final answer proves the server read the
@@ -23,7 +23,7 @@ import subprocess
 
 import pytest
 
-from metrale.testing_models import make_scripted_model, write_scripted_checkpoint
+from tests.scripted_model import SERVE_ENV, make_scripted_model, write_scripted_checkpoint
 from tests.serving import REPO, Server
 
 CLAUDE_CODE_VERSION = "2.1.332"
@@ -81,7 +81,7 @@ def work(tmp_path_factory):
 def server(work):
     with Server(["serve", str(work / "model"), "--model-name", MODEL, "--frontends", "1",
                  "--max-seq-len", "131072", "--no-event-log", "--tool-call-parser", "hermes"],
-                work / "serve.log").serving(180) as srv:
+                work / "serve.log", env=SERVE_ENV).serving(180) as srv:
         yield srv
 
 

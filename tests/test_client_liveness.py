@@ -23,6 +23,7 @@ import zmq
 
 from metrale import wire
 from metrale.client import AsyncEngineClient
+from metrale.sampling import SamplingParams
 
 BUSY_S = 7.0     # longer than the 5 s echo silence that used to count as a dead engine
 
@@ -52,8 +53,8 @@ class _StandInEngine(threading.Thread):
             if not self.pull.poll(50):
                 continue
             msg = wire.decode(self.pull.recv_multipart())
-            if isinstance(msg, wire.Control):                       # a heartbeat
-                self._send(msg.args["frontend_id"], [])
+            if isinstance(msg, wire.Heartbeat):
+                self._send(msg.frontend_id, [])
             elif isinstance(msg, wire.Submit):
                 time.sleep(BUSY_S)                                  # one long step
                 self._send(msg.frontend_id, [wire.TokenDelta(msg.request_id, (7,), "stop", 1, 1)])
@@ -62,7 +63,7 @@ class _StandInEngine(threading.Thread):
 
 
 async def _collect(client: AsyncEngineClient, rid: str) -> list:
-    return [d async for d in client.generate(rid, [1, 2, 3], {"max_tokens": 1})]
+    return [d async for d in client.generate(rid, [1, 2, 3], SamplingParams(max_tokens=1))]
 
 
 def test_a_long_engine_step_does_not_fail_the_open_request(tmp_path):
@@ -100,8 +101,8 @@ _STOPPABLE_ENGINE = textwrap.dedent("""
     print("bound", flush=True)
     while True:
         msg = wire.decode(pull.recv_multipart())
-        if isinstance(msg, wire.Control):
-            fid = msg.args["frontend_id"]
+        if isinstance(msg, wire.Heartbeat):
+            fid = msg.frontend_id
             pub.send_multipart([fid.encode(), *wire.encode(wire.StepOutput(fid, ()))])
 """)
 

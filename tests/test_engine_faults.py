@@ -6,8 +6,9 @@ from tiny_models import make_tiny
 from metrale import wire
 from metrale.config import EngineConfig
 from metrale.core import EngineCore
-from metrale.engine import EngineAddresses, EngineServer
+from metrale.engine_server import EngineAddresses, EngineServer
 from metrale.models.loader import load_checkpoint
+from metrale.sampling import SamplingParams
 
 
 def test_failed_step_fails_requests_in_flight_and_engine_serves_on(tmp_path):
@@ -35,11 +36,12 @@ def test_failed_step_fails_requests_in_flight_and_engine_serves_on(tmp_path):
     core.runner.execute = failing_once
     try:
         for rid in ("a", "b"):
-            server._submit(wire.Submit(rid, "fe", (1, 2, 3), {"max_tokens": 3, "temperature": 0}))
+            server._submit(wire.Submit(rid, "fe", (1, 2, 3),
+                                       SamplingParams(max_tokens=3, temperature=0)))
         server._step()                       # raises inside: both requests fail
         assert not core.has_unfinished() and not server.live
-        server._submit(wire.Submit("c", "fe", (4, 5), {"max_tokens": 2, "temperature": 0,
-                                                        "ignore_eos": True}))
+        server._submit(wire.Submit("c", "fe", (4, 5), SamplingParams(max_tokens=2, temperature=0,
+                                                                     ignore_eos=True)))
         while core.has_unfinished():
             server._step()
         server._flush()                      # as the loop does once nothing is left to run
@@ -72,7 +74,8 @@ def test_no_control_request_or_submit_ends_the_loop(tmp_path):
     loop.start()
 
     def control(op, **args):
-        dealer.send_multipart(wire.encode(wire.Control(op, args)))
+        request = {"health": wire.HealthCheck, "rate_limit": wire.RateLimitCheck}[op](**args)
+        dealer.send_multipart(wire.encode(request))
         assert dealer.poll(10_000), f"no answer to {op}: the engine loop is gone"
         return wire.decode(dealer.recv_multipart())
 
@@ -88,7 +91,7 @@ def test_no_control_request_or_submit_ends_the_loop(tmp_path):
         raise RuntimeError("injected fault")
 
     try:
-        hello = wire.encode(wire.Control("heartbeat", {"frontend_id": "fe"}))
+        hello = wire.encode(wire.Heartbeat("fe"))
         while True:          # subscribed once the engine's echo of a heartbeat comes back
             push.send_multipart(hello)
             if sub.poll(200):
@@ -103,12 +106,13 @@ def test_no_control_request_or_submit_ends_the_loop(tmp_path):
 
         real_add = core.add_request
         core.add_request = raising
-        push.send_multipart(wire.encode(wire.Submit("bad", "fe", (1, 2), {"max_tokens": 2})))
+        push.send_multipart(wire.encode(wire.Submit("bad", "fe", (1, 2),
+                                                    SamplingParams(max_tokens=2))))
         [refused] = deltas_until_end("bad")
         assert refused.error_status == 500 and refused.finish_reason == "error"
         core.add_request = real_add
-        push.send_multipart(wire.encode(wire.Submit("good", "fe", (1, 2), {
-            "max_tokens": 3, "temperature": 0, "ignore_eos": True})))
+        push.send_multipart(wire.encode(wire.Submit("good", "fe", (1, 2), SamplingParams(
+            max_tokens=3, temperature=0, ignore_eos=True))))
         assert sum(len(d.token_ids) for d in deltas_until_end("good")) == 3
         assert control("health").ok
     finally:

@@ -13,9 +13,10 @@ import zmq
 from metrale import wire
 from metrale.config import EngineConfig
 from metrale.core import EngineCore
-from metrale.engine import EngineAddresses, EngineServer
+from metrale.engine_server import EngineAddresses, EngineServer
 from metrale.events import Journal, read_events
 from metrale.models.loader import load_checkpoint
+from metrale.sampling import SamplingParams
 from tiny_models import make_tiny
 
 
@@ -33,7 +34,7 @@ def engine(tmp_path):
     push.connect(server.addresses.submit)
     loop = threading.Thread(target=server.run, daemon=True)
     loop.start()
-    hello = wire.encode(wire.Control("heartbeat", {"frontend_id": "fe"}))
+    hello = wire.encode(wire.Heartbeat("fe"))
     while True:          # subscribed once the engine's echo of a heartbeat comes back
         push.send_multipart(hello)
         if sub.poll(200):
@@ -50,8 +51,8 @@ def engine(tmp_path):
 
 
 def submit(push, rid, prompt, max_tokens):
-    push.send_multipart(wire.encode(wire.Submit(rid, "fe", tuple(prompt), {
-        "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})))
+    push.send_multipart(wire.encode(wire.Submit(rid, "fe", tuple(prompt), SamplingParams(
+        max_tokens=max_tokens, temperature=0, ignore_eos=True))))
 
 
 def collect(sub, streams: dict, until, timeout_s=60.0, on_delta=None):

@@ -226,7 +226,7 @@ def test_engine_kill_under_16_streams(server):
     """Every open stream gets an error event, every waiting request a 503 in the API's shape,
     within 1 s; `met serve` restarts the engine, which serves again; the journal shows every
     request in flight at the crash as aborted (cause engine_restart)."""
-    engine = next(p for p in server.children() if "metrale.engine_main" in cmdline(p))
+    engine = next(p for p in server.children() if "metrale.engine_process" in cmdline(p))
     with ThreadPoolExecutor(16) as pool:
         futures = [pool.submit(_stream, server.url, {
             "prompt": f"victim {i}", "max_tokens": 3000, "ignore_eos": True})

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from metrale.api.reasoning import ChatOutputParser, ReasoningDelta, ReasoningParser, ThinkingBudget
+from metrale.api.reasoning_parser import ChatOutputParser, ReasoningDelta, ReasoningParser
+from metrale.thinking_budget import ThinkingBudget
 from metrale.api.tool_parsers import collect, make_tool_parser
 
 TOOLS = [{"type": "function", "function": {"name": "ping", "parameters": {"type": "object"}}}]

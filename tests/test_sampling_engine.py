@@ -13,7 +13,7 @@ import zmq
 from metrale import wire
 from metrale.config import EngineConfig
 from metrale.core import EngineCore
-from metrale.engine import EngineAddresses, EngineServer
+from metrale.engine_server import EngineAddresses, EngineServer
 from metrale.models.loader import load_checkpoint
 from metrale.request import Request
 from metrale.sampling import SamplingParams
@@ -73,10 +73,10 @@ def test_a_negative_seed_is_refused_alone_and_the_good_request_completes(tiny, t
             sub.recv_multipart()
             break
     try:
-        server._submit(wire.Submit("good", "fe", (1, 2, 3), {"max_tokens": 5, "temperature": 1.0,
-                                                             "ignore_eos": True}))
-        server._submit(wire.Submit("bad", "fe", (1, 2, 3), {"max_tokens": 5, "temperature": 1.0,
-                                                            "seed": -1}))
+        server._submit(wire.Submit("good", "fe", (1, 2, 3), SamplingParams(
+            max_tokens=5, temperature=1.0, ignore_eos=True)))
+        server._submit(wire.Submit("bad", "fe", (1, 2, 3), SamplingParams(
+            max_tokens=5, temperature=1.0, seed=-1)))
         while core.has_unfinished():
             server._step()
         server._flush()

@@ -101,7 +101,7 @@ def _engine_stats(srv: Server) -> dict:
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(srv.engine_control)
     try:
-        sock.send_multipart(wire.encode(wire.Control("stats", {})))
+        sock.send_multipart(wire.encode(wire.StatsQuery()))
         assert sock.poll(10_000), "the engine did not answer"
         reply = wire.decode(sock.recv_multipart())
     finally:

@@ -225,7 +225,7 @@ def test_engine_on_tcp_refusals_events_restart_and_replay(tiny_model, tmp_path):
         # the engine dies: the remote frontend answers 503 at once (it noticed the dead engine
         # once, not one 5 s health check after another), `met serve` restarts the engine and
         # the remote frontend reconnects on its own
-        engine = next(p for p in srv.children() if "metrale.engine_main" in cmdline(p))
+        engine = next(p for p in srv.children() if "metrale.engine_process" in cmdline(p))
         os.kill(engine, signal.SIGKILL)
         t0 = time.monotonic()
         r = requests.post(remote.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},

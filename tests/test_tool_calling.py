@@ -1,5 +1,5 @@
 """Tool calling and reasoning end to end through the official `openai` SDK, against live
-`met serve` processes of the scripted test model (metrale.testing_models), one with
+`met serve` processes of the scripted test model (tests.scripted_model), one with
 --tool-call-parser hermes and one with qwen3_coder. Streamed and non-streamed answers must
 agree exactly; tool syntax never reaches `content`; thinking never reaches the answer.
 Plus unit checks of the tool_choice prefills for every parser and of the engine-side
@@ -14,8 +14,8 @@ import pytest
 from frontends.generate import TOOL_PREFILLS, tool_prefill
 from metrale.api.tool_parsers import PARSERS, parse_complete
 from metrale.sampling import SamplingParams
-from metrale.testing_models import make_scripted_model
-from metrale.thinking import next_forced_id
+from tests.scripted_model import SERVE_ENV, make_scripted_model
+from metrale.thinking_budget import next_forced_id
 from tests.serving import Server
 
 MODEL = "scripted"
@@ -59,7 +59,8 @@ def servers(tmp_path_factory):
     path = make_scripted_model(root / "model", SCRIPTS)
     common = ["serve", path, "--model-name", MODEL, "--frontends", "1", "--max-seq-len", "2048",
               "--no-event-log"]
-    started = {name: Server(common + ["--tool-call-parser", name], root / f"{name}.log")
+    started = {name: Server(common + ["--tool-call-parser", name], root / f"{name}.log",
+                           env=SERVE_ENV)
                for name in ("hermes", "qwen3_coder")}
     try:
         for srv in started.values():

@@ -6,11 +6,11 @@ import pytest
 
 from metrale import wire
 from metrale.events import FinishedRequests, Journal
+from metrale.sampling import SamplingParams
 
 
 def test_submit_round_trip_keeps_tokens_and_params():
-    msg = wire.Submit("r1", "fe-1", (1, 2, 3, 70000), {"temperature": 0.5, "max_tokens": 9},
-                      model="m", extra={"stop": ["x"]})
+    msg = wire.Submit("r1", "fe-1", (1, 2, 3, 70000), SamplingParams(temperature=0.5, max_tokens=9))
     frames = wire.encode(msg)
     assert frames[0] == b"submit" and len(frames[2]) == 16  # raw int32 frame, no JSON tokens
     assert wire.decode(frames) == msg
@@ -37,7 +37,7 @@ def test_step_output_carries_numpy_scalars_and_refuses_malformed_deltas():
 
 
 def test_simple_messages_and_malformed_frames():
-    for m in (wire.Abort("r", "disconnect"), wire.Control("stats", {"x": 1}),
+    for m in (wire.Abort("r", "disconnect"), wire.RateLimitCheck("k", 1), wire.Heartbeat("fe"),
               wire.ControlReply(True, {"ok": 1})):
         assert wire.decode(wire.encode(m)) == m
     with pytest.raises(ValueError):

@@ -60,7 +60,7 @@ from typing import Any
 import orjson
 
 from metrale.api.errors import APIError, invalid
-from metrale.api.openai_schema import GenerationParams, MAX_STOP_STRINGS, _type_name, check_model
+from metrale.api.openai_schema import GenerationParams, MAX_STOP_STRINGS, type_name, check_model
 from metrale.api.tool_parsers import (ToolChoice, validate_replayed_tool_call,
                                       validate_tool_choice, validate_tools)
 
@@ -165,7 +165,7 @@ def parse_messages_request(body: Any, count_only: bool = False,
                            served: str | None = None) -> MessagesRequest:
     """The request, checked; `served` (the served model's name) makes any other model a 404."""
     if not isinstance(body, dict):
-        raise invalid(f"the request body must be a JSON object, got {_type_name(body)}")
+        raise invalid(f"the request body must be a JSON object, got {type_name(body)}")
     _extra_inputs(body, REQUEST_FIELDS)
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -234,7 +234,7 @@ def _sampling(body: dict) -> dict:
         v = body.get(name)
         if v is not None:
             if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise invalid(f"{name}: must be a number, got {_type_name(v)}", name)
+                raise invalid(f"{name}: must be a number, got {type_name(v)}", name)
             out[name] = v
     if body.get("top_k") is not None:
         if not _is_int(body["top_k"]) or body["top_k"] < 0:
@@ -355,7 +355,7 @@ def _block_text(block: dict, where: str) -> str:
     """The `text` of a text block: required, a string."""
     text = block.get("text")
     if not isinstance(text, str):
-        raise invalid(f"{where}.text: field required (a string), got {_type_name(text)}", where)
+        raise invalid(f"{where}.text: field required (a string), got {type_name(text)}", where)
     return text
 
 
@@ -449,7 +449,7 @@ def _assistant(blocks: list, where: str, tool_ids: set[str]) -> dict:
                 args = validate_replayed_tool_call(b.get("input", {}))
             except ValueError:
                 raise invalid(f"{at}.input: must be a JSON object (the tool's arguments), got "
-                              f"{_type_name(b.get('input'))}", at)
+                              f"{type_name(b.get('input'))}", at)
             tool_ids.add(b["id"])
             calls.append({"id": b["id"], "type": "function",
                           "function": {"name": b["name"], "arguments": args}})

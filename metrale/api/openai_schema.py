@@ -25,9 +25,9 @@ MAX_TOP_LOGPROBS = 20
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 # request field -> SamplingParams field; validated for type here, for range by SamplingParams
-_NUMBER_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+NUMBER_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                   "repetition_penalty", "top_n_sigma")
-_INT_FIELDS = ("top_k", "min_tokens")
+INT_FIELDS = ("top_k", "min_tokens")
 MAX_SEED = 2**64 - 1
 
 
@@ -66,7 +66,7 @@ class CompletionRequest(GenerationParams):
 
 # ---- field readers -------------------------------------------------------------------------
 
-def _type_name(value: Any) -> str:
+def type_name(value: Any) -> str:
     return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null",
             int: "integer", float: "number"}.get(type(value), type(value).__name__)
 
@@ -85,7 +85,7 @@ def _opt(body: dict, name: str, check, what: str, default=None):
     if value is None:
         return default
     if not check(value):
-        raise invalid(f"'{name}' must be {what}, got {_type_name(value)} {value!r:.80}", name)
+        raise invalid(f"'{name}' must be {what}, got {type_name(value)} {value!r:.80}", name)
     return value
 
 
@@ -104,7 +104,7 @@ def _int_range(body: dict, name: str, low: int, high: int | None, default=None):
 def _common(body: Any) -> dict:
     """The fields both APIs share, checked; returns GenerationParams keyword arguments."""
     if not isinstance(body, dict):
-        raise invalid(f"the request body must be a JSON object, got {_type_name(body)}")
+        raise invalid(f"the request body must be a JSON object, got {type_name(body)}")
     model = _opt(body, "model", lambda v: isinstance(v, str), "a string")
     n = _int_range(body, "n", 1, MAX_N, 1)
     stream = _bool(body, "stream")
@@ -116,10 +116,10 @@ def _common(body: Any) -> dict:
     if max_tokens is None:
         max_tokens = _int_range(body, "max_tokens", 1, None)
     sampling = {}
-    for name in _NUMBER_FIELDS:
+    for name in NUMBER_FIELDS:
         if (v := _opt(body, name, _is_number, "a number")) is not None:
             sampling[name] = v
-    for name in _INT_FIELDS:
+    for name in INT_FIELDS:
         if (v := _opt(body, name, _is_int, "an integer")) is not None:
             sampling[name] = v
     if (seed := _seed(body)) is not None:
@@ -203,7 +203,7 @@ def _check_message(m: Any, i: int) -> None:
     where = f"messages[{i}]"
     if not isinstance(m, dict):
         raise invalid(f"{where} must be an object with 'role' and 'content', got "
-                      f"{_type_name(m)}", where)
+                      f"{type_name(m)}", where)
     role = m.get("role")
     if role not in CHAT_ROLES:
         raise invalid(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
@@ -213,7 +213,7 @@ def _check_message(m: Any, i: int) -> None:
         raise invalid(f"{where}.content is required for role {role!r}", f"{where}.content")
     if content is not None and not isinstance(content, (str, list)):
         raise invalid(f"{where}.content must be a string or an array of content parts, got "
-                      f"{_type_name(content)}", f"{where}.content")
+                      f"{type_name(content)}", f"{where}.content")
     if isinstance(content, list):
         _check_parts(content, where)
     calls = m.get("tool_calls")
@@ -244,7 +244,7 @@ def _check_parts(parts: list, where: str) -> None:
                           '{"type": "text", "text": "..."}', f"{where}.content")
         if part["type"] in TEXT_PART_TYPES and not isinstance(part.get("text"), str):
             raise invalid(f"{at}.text is required and must be a string, got "
-                          f"{_type_name(part.get('text'))}", f"{where}.content")
+                          f"{type_name(part.get('text'))}", f"{where}.content")
 
 
 # ---- completions ---------------------------------------------------------------------------

@@ -13,20 +13,31 @@ from metrale.models.checkpoint import Checkpoint, CheckpointError
 from metrale.models.layers import CausalLM
 from metrale.models.llama import build_llama_family
 from metrale.models.qwen3_5 import build_qwen3_5
-from metrale.testing_models import scripted_or
 
 _BUILDERS: dict[str, Callable[[Checkpoint, object], CausalLM]] = {
     "qwen3_5": build_qwen3_5,
     "qwen3_5_moe": build_qwen3_5,
     "qwen3": build_llama_family,
     "qwen2": build_llama_family,
-    "llama": scripted_or(build_llama_family),  # TEST-ONLY hook: see metrale.testing_models
+    "llama": build_llama_family,
 }
 
 # text-config spellings of the same architectures (a loader that flattens text_config may keep them)
 _ALIASES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
 
 SUPPORTED_MODEL_TYPES = tuple(_BUILDERS)
+
+
+def builder(model_type: str) -> Callable[[Checkpoint, object], CausalLM]:
+    """The builder registered for `model_type` (KeyError if none)."""
+    return _BUILDERS[model_type]
+
+
+def register(model_type: str, build: Callable[[Checkpoint, object], CausalLM]) -> None:
+    """Add or replace the builder of `model_type`. Production has none to add: this is how tests
+    put a fixture model in (tests/scripted_model.py, loaded in a served engine by the
+    METRALE_MODEL_PLUGINS lever)."""
+    _BUILDERS[model_type] = build
 
 
 def build_model(ckpt: Checkpoint, ops) -> CausalLM:

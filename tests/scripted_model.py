@@ -1,4 +1,4 @@
-"""TEST-ONLY: a scripted "model" that makes greedy (and any sane sampling) decoding emit a fixed
+"""A test fixture: a scripted "model" that makes greedy (and any sane sampling) decoding emit a fixed
 reply, so tool calling, reasoning, stop sequences and cut-offs can be driven end to end through
 the real engine, frontends and SDKs. A tiny random model never calls a tool.
 
@@ -9,9 +9,12 @@ It runs on the CPU backend like any model. Its checkpoint is an HF folder whose 
      "scripts": [{"when": "weather in Paris", "reply": "<tool_call>\\n{...}\\n</tool_call>"}, ...]}
 
 plus a tokenizer.json and one (placeholder) safetensors file. It is a `llama` as far as the
-loader goes (whose list of model types is fixed); the registry's llama builder is wrapped by
-`scripted_or`, which builds this model ONLY when config.json says `"metrale_test_only": true`
-(no real checkpoint does), and the real llama otherwise.
+loader goes (whose list of model types is fixed). Importing this module registers it: the
+registry's llama builder is wrapped by `scripted_or`, which builds this model ONLY when
+config.json says `"metrale_test_only": true` (no real checkpoint does), and the real llama
+otherwise. The production registry knows nothing of it; a `met serve` under test loads it with
+the lever METRALE_MODEL_PLUGINS=tests.scripted_model (`SERVE_ENV`), which the engine process
+imports before it loads the model.
 
 How a step picks the next token. The model keeps the token id of every KV slot it has seen
 (its "KV cache" is the token ids themselves), so it can read each sequence's whole context;
@@ -40,11 +43,14 @@ import struct
 import numpy as np
 
 from metrale.cache.kv import AttentionSpec, CacheSpec
+from metrale.models import registry
 from metrale.models.checkpoint import Checkpoint, CheckpointError
 
 MODEL_TYPE = "llama"
 TEST_FLAG = "metrale_test_only"
 THINK_END = "</think>"
+SERVE_ENV = {"METRALE_MODEL_PLUGINS": __name__}
+"""The environment a `met serve` of a scripted checkpoint needs (tests.serving.Server(env=...))."""
 
 
 class ScriptedLM:
@@ -211,3 +217,6 @@ def make_scripted_model(path, scripts: list[dict], template: str = SCRIPTED_TEMP
         json.dump({"eos_token": "<|im_end|>", "bos_token": None,
                    "chat_template": template.strip("\n")}, f)
     return write_scripted_checkpoint(path, path, scripts)
+
+
+registry.register(MODEL_TYPE, scripted_or(registry.builder(MODEL_TYPE)))

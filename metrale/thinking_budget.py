@@ -1,4 +1,5 @@
-"""The thinking budget, engine side: end a `<think>` block by forcing its close tag.
+"""The thinking budget: the engine ends a `<think>` block by forcing its close tag (the frontend
+splits reasoning off the text: metrale.api.reasoning_parser).
 
 The frontend cannot force tokens, so it sends the budget in the request's SamplingParams
 (`thinking_budget`, `think_start_id`, `think_end_id`, `forced_close_ids` — the ids of
@@ -23,7 +24,8 @@ max_tokens; on the GPU sampler the penalty counts keep the sampled id, not the f
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 
 def next_forced_id(params, output_ids: Sequence[int]) -> int | None:
@@ -61,3 +63,33 @@ def force_thinking_close(sampled: Mapping[str, object], requests) -> None:
             s = sampled[r.request_id]
             s.token_id = token
             s.logprob = None if s.logprob is None else 0.0
+
+
+Encode = Callable[[str], Sequence[int]]
+
+
+@dataclass(frozen=True)
+class ThinkingBudget:
+    """When reasoning has used `max_thinking_tokens`, the engine appends `forced_ids` (the
+    tokens of `"\\n</think>\\n\\n"` by default) instead of sampling, and the answer follows.
+
+    Pure: the engine passes how many tokens the reasoning has used and whether it already ended.
+    """
+
+    max_thinking_tokens: int
+    forced_ids: tuple[int, ...]
+
+    @classmethod
+    def from_tokenizer(cls, max_thinking_tokens: int, encode: Encode, end_text: str = "\n</think>\n\n") -> "ThinkingBudget":
+        if max_thinking_tokens < 0:
+            raise ValueError(f"max thinking tokens must be >= 0, got {max_thinking_tokens}")
+        forced = tuple(encode(end_text))
+        if not forced:
+            raise ValueError(f"the tokenizer encodes {end_text!r} to no tokens")
+        return cls(max_thinking_tokens, forced)
+
+    def ids_to_force(self, thinking_tokens: int, reasoning_ended: bool) -> tuple[int, ...]:
+        """The ids to force now: empty while under budget or after reasoning ended."""
+        if reasoning_ended or thinking_tokens < self.max_thinking_tokens:
+            return ()
+        return self.forced_ids

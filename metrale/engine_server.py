@@ -1,4 +1,5 @@
-"""The engine process: one busy loop per GPU rank.
+"""EngineServer: the engine process's socket loop, one per GPU rank (the process entry that
+builds it is metrale.engine_process).
 
     drain sockets -> schedule -> run -> commit -> publish
 
@@ -7,11 +8,13 @@ It owns the EngineCore, the event journal, the Prometheus registry and the rate-
 
     PULL    submit   Submit / Abort / Heartbeat from any number of frontends
     PUB     output   StepOutput per step, topic = frontend id
-    ROUTER  control  health, model_info, stats (Prometheus text), rate_limit
+    ROUTER  control  HealthCheck, ModelInfoQuery, StatsQuery (Prometheus text), RateLimitCheck
     PUB     events   every journal event, topic = event type
 
-A frontend that stops sending heartbeats (killed, crashed) has its requests aborted within one
-step, so no slot is held for a client nobody is listening to. No message can end the loop: one
+Each socket's messages are dispatched by type through a table (`_on_submitted`, `_on_control`).
+A frontend that stops sending heartbeats (killed, crashed) is gone after wire.PEER_TIMEOUT_S and
+its requests are aborted within one step, so no slot is held for a client nobody is listening
+to. No message can end the loop: one
 that fails (a bug, an unserialisable reply) is answered with an error, logged, and the loop
 serves on.
 
@@ -40,13 +43,10 @@ from metrale.metrics import EngineMetrics
 from metrale.ratelimit import RateLimiter
 from metrale.recovery import abort_unfinished
 from metrale.request import Request
-from metrale.sampling import SamplingParams
+from metrale.scheduler import QueueFull
 
 log = logging.getLogger("metrale.engine")
 requests_log = logging.getLogger("metrale.requests")
-
-HEARTBEAT_INTERVAL_S = 1.0
-FRONTEND_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,10 @@ class EngineServer:
         self._log_steps = log.isEnabledFor(logging.DEBUG)   # each step's size and time
         # the last step's outputs, published during the next step (see _step)
         self._unpublished: list[RequestOutput] | None = None
+        self._on_submitted = {wire.Submit: self._submit, wire.Abort: self._on_abort,
+                              wire.Heartbeat: self._heartbeat}
+        self._on_control = {wire.HealthCheck: self._health, wire.ModelInfoQuery: self._model_info,
+                            wire.StatsQuery: self._stats, wire.RateLimitCheck: self._rate_limit}
         self._bind()
 
     # -- sockets ----------------------------------------------------------------------------
@@ -223,23 +227,24 @@ class EngineServer:
             except ValueError as e:
                 log.warning("dropped a malformed message: %s", e)
                 continue
+            handler = self._on_submitted.get(type(msg))
+            if handler is None:
+                log.warning("dropped a %s on the submit socket", type(msg).__name__)
+                continue
             try:
-                self._handle_submitted(msg)
+                handler(msg)
             except Exception:
                 log.exception("a %s message failed; the engine serves on", type(msg).__name__)
                 self._fail_submitted(msg)
 
-    def _handle_submitted(self, msg) -> None:
-        if isinstance(msg, wire.Submit):
-            self._submit(msg)
-        elif isinstance(msg, wire.Abort):
-            self._abort(msg.request_id, msg.reason)
-        elif isinstance(msg, wire.Control) and msg.op == "heartbeat":
-            frontend_id = msg.args.get("frontend_id", "")
-            self.frontends[frontend_id] = time.monotonic()
-            # echo on the frontend's topic: its SUB socket is proven connected once one
-            # arrives (ZeroMQ drops what a PUB sends before a subscription reaches it)
-            self._send(frontend_id, [])
+    def _heartbeat(self, msg: wire.Heartbeat) -> None:
+        self.frontends[msg.frontend_id] = time.monotonic()
+        # echo on the frontend's topic: its SUB socket is proven connected once one arrives
+        # (ZeroMQ drops what a PUB sends before a subscription reaches it)
+        self._send(msg.frontend_id, [])
+
+    def _on_abort(self, msg: wire.Abort) -> None:
+        self._abort(msg.request_id, msg.reason)
 
     def _fail_submitted(self, msg) -> None:
         """A Submit whose handling raised is refused with a 500 (and released if it got in)."""
@@ -256,16 +261,11 @@ class EngineServer:
     def _submit(self, msg: wire.Submit) -> None:
         self.frontends[msg.frontend_id] = time.monotonic()
         try:
-            params = SamplingParams.from_dict(msg.sampling_params)
-            params.validate()
-            if not self.core.can_admit():
-                raise _Refused(429, "the engine queue is full (--max-num-seqs); retry shortly")
-            req = Request(msg.request_id, list(msg.prompt_token_ids), params)
-            if self.core.config.request_timeout:
-                req.deadline = req.arrival_time + self.core.config.request_timeout
-            self.core.add_request(req)
-        except _Refused as e:
-            return self._refuse(msg, e.status, str(e))
+            params = msg.sampling_params.validate()   # the frontend may be another host's
+            # the queue limit (429), the context length and the deadline: Scheduler.add_request
+            self.core.add_request(Request(msg.request_id, list(msg.prompt_token_ids), params))
+        except QueueFull as e:
+            return self._refuse(msg, 429, str(e))
         except ValueError as e:
             return self._refuse(msg, 400, str(e))
         self.live[msg.request_id] = _Live(msg.frontend_id, time.monotonic())
@@ -286,7 +286,7 @@ class EngineServer:
 
     def _reap_frontends(self) -> None:
         now = time.monotonic()
-        dead = {f for f, seen in self.frontends.items() if now - seen > FRONTEND_TIMEOUT_S}
+        dead = {f for f, seen in self.frontends.items() if now - seen > wire.PEER_TIMEOUT_S}
         if not dead:
             return
         for f in dead:
@@ -366,9 +366,10 @@ class EngineServer:
         answering it fails in any way (logged with the traceback)."""
         try:
             msg = wire.decode(frames)
-            if not isinstance(msg, wire.Control):
+            handler = self._on_control.get(type(msg))
+            if handler is None:
                 raise ValueError(f"not a control request: {type(msg).__name__}")
-            return wire.encode(self._control(msg))
+            return wire.encode(handler(msg))
         except (ValueError, KeyError) as e:
             return wire.encode(wire.ControlReply(False, {"error": str(e)}))
         except Exception as e:
@@ -376,29 +377,20 @@ class EngineServer:
             return wire.encode(wire.ControlReply(False, {
                 "error": f"the engine failed to answer ({type(e).__name__}; logged by the engine)"}))
 
-    def _control(self, msg: wire.Control) -> wire.ControlReply:
-        if msg.op == "health":
-            return wire.ControlReply(True, {"status": "ok", "model": self.model_info.name})
-        if msg.op == "model_info":
-            return wire.ControlReply(True, self.model_info.to_dict())
-        if msg.op == "stats":
-            self.metrics.set_gauges(self.core)
-            return wire.ControlReply(True, {"prometheus": self.metrics.render(),
-                                            "running": len(self.live),
-                                            "rate_limit_keys": self.ratelimit.num_keys})
-        if msg.op == "rate_limit":
-            return wire.ControlReply(True, self.ratelimit.check(msg.args.get("key", ""),
-                                                                int(msg.args.get("tokens", 0))))
-        if msg.op == "heartbeat":
-            self.frontends[msg.args.get("frontend_id", "")] = time.monotonic()
-            return wire.ControlReply(True, {})
-        raise ValueError(f"unknown control op {msg.op!r}")
+    def _health(self, msg: wire.HealthCheck) -> wire.ControlReply:
+        return wire.ControlReply(True, {"status": "ok", "model": self.model_info.name})
 
+    def _model_info(self, msg: wire.ModelInfoQuery) -> wire.ControlReply:
+        return wire.ControlReply(True, self.model_info.to_dict())
 
-class _Refused(Exception):
-    def __init__(self, status: int, text: str):
-        super().__init__(text)
-        self.status = status
+    def _stats(self, msg: wire.StatsQuery) -> wire.ControlReply:
+        self.metrics.set_gauges(self.core)
+        return wire.ControlReply(True, {"prometheus": self.metrics.render(),
+                                        "running": len(self.live),
+                                        "rate_limit_keys": self.ratelimit.num_keys})
+
+    def _rate_limit(self, msg: wire.RateLimitCheck) -> wire.ControlReply:
+        return wire.ControlReply(True, self.ratelimit.check(msg.key, int(msg.tokens)))
 
 
 def _delta(out: RequestOutput) -> wire.TokenDelta:

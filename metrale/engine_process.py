@@ -1,6 +1,6 @@
-"""The engine process: load the checkpoint, build the core, serve it over ZeroMQ until told to stop.
+"""The engine process's entry: load the checkpoint, build the core, serve it over ZeroMQ until told to stop.
 
-    python -m metrale.engine_main '<json spec>'      (started by `met serve`, see metrale.serve)
+    python -m metrale.engine_process '<json spec>'      (started by `met serve`, see metrale.serve)
 
 The spec (`EngineSpec.to_json`) names the model, the EngineConfig fields, the socket addresses,
 the journal folder and the settings frontends read from `model_info`. Everything a frontend needs
@@ -11,6 +11,7 @@ SIGTERM / SIGINT stop the loop after the current step; the journal is closed cle
 """
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -92,7 +93,7 @@ def _build_server(spec: EngineSpec, journal):
     from metrale import wire
     from metrale.chat import ChatTemplateError, load_chat_template
     from metrale.core import EngineCore
-    from metrale.engine import EngineAddresses, EngineServer
+    from metrale.engine_server import EngineAddresses, EngineServer
     from metrale.models.loader import load_checkpoint
     from metrale.ratelimit import RateLimiter
     from metrale.sampling import engine_sampling_defaults
@@ -170,6 +171,13 @@ def setup_logging() -> None:
                         format=LOG_FORMAT)
 
 
+def import_model_plugins() -> None:
+    """The modules METRALE_MODEL_PLUGINS names (tests' fixture models register themselves)."""
+    for name in str(levers.get("METRALE_MODEL_PLUGINS")).split(","):
+        if name.strip():
+            importlib.import_module(name.strip())
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     setup_logging()
@@ -187,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
+        import_model_plugins()
         server = build_server(spec)
     except Exception as e:  # noqa: BLE001 - reported, then a non-zero exit
         log.error("the engine could not start: %s", e, exc_info=log.isEnabledFor(logging.DEBUG))

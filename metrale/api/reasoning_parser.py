@@ -1,4 +1,5 @@
-"""Reasoning (`<think>`) separation, its composition with tool parsing, and the thinking budget.
+"""Reasoning (`<think>`) separation and its composition with tool parsing, frontend side (the
+thinking budget the engine enforces: metrale.thinking_budget).
 
 Wire format (Qwen3 / Qwen3.5 / DeepSeek-R1 style; tags configurable, e.g. Gemma 4's
 `<|channel>thought` ... `<channel|>`):
@@ -22,7 +23,7 @@ the start of the answer is dropped. A stream that ends inside reasoning is all r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+from typing import Optional, Union
 
 from metrale.api.tool_parsers import TextDelta, ToolCall, ToolEvent, ToolParser, collect
 from metrale.api.tool_parsers.base import held_prefix_len
@@ -148,33 +149,3 @@ class ChatOutputParser:
         if final:
             events += self.tool_parser.finish()
         return events
-
-
-Encode = Callable[[str], Sequence[int]]
-
-
-@dataclass(frozen=True)
-class ThinkingBudget:
-    """When reasoning has used `max_thinking_tokens`, the engine appends `forced_ids` (the
-    tokens of `"\\n</think>\\n\\n"` by default) instead of sampling, and the answer follows.
-
-    Pure: the engine passes how many tokens the reasoning has used and whether it already ended.
-    """
-
-    max_thinking_tokens: int
-    forced_ids: tuple[int, ...]
-
-    @classmethod
-    def from_tokenizer(cls, max_thinking_tokens: int, encode: Encode, end_text: str = "\n</think>\n\n") -> "ThinkingBudget":
-        if max_thinking_tokens < 0:
-            raise ValueError(f"max thinking tokens must be >= 0, got {max_thinking_tokens}")
-        forced = tuple(encode(end_text))
-        if not forced:
-            raise ValueError(f"the tokenizer encodes {end_text!r} to no tokens")
-        return cls(max_thinking_tokens, forced)
-
-    def ids_to_force(self, thinking_tokens: int, reasoning_ended: bool) -> tuple[int, ...]:
-        """The ids to force now: empty while under budget or after reasoning ended."""
-        if reasoning_ended or thinking_tokens < self.max_thinking_tokens:
-            return ()
-        return self.forced_ids
