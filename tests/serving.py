@@ -74,6 +74,10 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path)
         self.args = list(args) + ["--port", str(self.port)]
+        if args and args[0] == "serve" and not {"--event-log", "--no-event-log"} & set(args):
+            # a journal of its own: the default folder is one engine's at a time (journal.lock),
+            # and a server of the developer's or of another test run may hold it
+            self.args += ["--event-log", str(self.log_path.parent / "events")]
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("METRALE_")}
         full_env.update(env or {})
         self.log = open(self.log_path, "ab")

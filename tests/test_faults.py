@@ -122,7 +122,12 @@ def test_stale_ipc_folder_of_a_dead_owner_is_removed(server, planted_ipc_dirs):
 
 
 def test_serving_line_comes_once_it_answers(server):
-    lines = [ln for ln in server.tail(200000).splitlines() if "metrale.serve: serving" in ln]
+    deadline = time.monotonic() + 10       # the supervisor says it after its own /health probe
+    while True:
+        lines = [ln for ln in server.tail(200000).splitlines() if "metrale.serve: serving" in ln]
+        if lines or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert len(lines) == 1 and "http://127.0.0.1:" in lines[0], lines
 
 
