@@ -300,7 +300,23 @@ def _address(a) -> int:
     return int(a) if data is None or isinstance(a, np.generic) else data.ptr
 
 
-class FastKernel:
+class _RawKernelView:
+    """What a launcher shows of the cupy RawKernel it wraps (`self.raw`): name, attributes,
+    num_regs, ... read through, and the one CUfunction's dynamic shared memory limit set on it."""
+
+    def __getattr__(self, name):
+        return getattr(self.raw, name)
+
+    @property
+    def max_dynamic_shared_size_bytes(self):
+        return self.raw.max_dynamic_shared_size_bytes
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, value):
+        self.raw.max_dynamic_shared_size_bytes = value
+
+
+class FastKernel(_RawKernelView):
     """A RawKernel launched through cuLaunchKernel; the CuPy launch where that does not apply.
     Same call as the RawKernel: k(grid, block, args, shared_mem=0, stream=None)."""
 
@@ -313,17 +329,6 @@ class FastKernel:
         self._layouts: dict = {}
         self._ndarray = _device_array_type()
         self._current_stream = None     # cupy.cuda.get_current_stream, bound on first use
-
-    def __getattr__(self, name):          # name, attributes, num_regs, ...: the RawKernel's
-        return getattr(self.raw, name)
-
-    @property
-    def max_dynamic_shared_size_bytes(self):
-        return self.raw.max_dynamic_shared_size_bytes
-
-    @max_dynamic_shared_size_bytes.setter
-    def max_dynamic_shared_size_bytes(self, value):
-        self.raw.max_dynamic_shared_size_bytes = value   # an attribute of the one CUfunction
 
     def _layout(self, args) -> _Layout | None:
         key = tuple(type(a) for a in args)
@@ -429,22 +434,11 @@ class TypedKernel(FastKernel):
         self._pack = struct.Struct(fmt).pack_into
 
 
-class CupyTypedKernel:
+class CupyTypedKernel(_RawKernelView):
     """A declared kernel launched by CuPy (the packed path off or failed): the same call."""
 
     def __init__(self, raw, decl: KernelDecl, ctx: LaunchContext):
         self.raw, self.decl, self._ctx, self.pdl = raw, decl, ctx, False
-
-    def __getattr__(self, name):
-        return getattr(self.raw, name)
-
-    @property
-    def max_dynamic_shared_size_bytes(self):
-        return self.raw.max_dynamic_shared_size_bytes
-
-    @max_dynamic_shared_size_bytes.setter
-    def max_dynamic_shared_size_bytes(self, value):
-        self.raw.max_dynamic_shared_size_bytes = value
 
 
 def typed_kernel(raw, decl: KernelDecl, ctx: LaunchContext, driver: _Driver | None):
