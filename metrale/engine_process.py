@@ -92,7 +92,7 @@ def build_server(spec: EngineSpec):
 def _build_server(spec: EngineSpec, journal):
     from metrale import wire
     from metrale.chat import ChatTemplateError, load_chat_template
-    from metrale.core import EngineCore
+    from metrale.engine_core import EngineCore
     from metrale.engine_server import EngineAddresses, EngineServer
     from metrale.models.loader import load_checkpoint
     from metrale.ratelimit import RateLimiter

@@ -37,7 +37,7 @@ import orjson
 import zmq
 
 from metrale import wire
-from metrale.core import EngineCore, RequestOutput
+from metrale.engine_core import EngineCore, RequestOutput
 from metrale.events import ADDRESSES_FILE, Journal
 from metrale.metrics import EngineMetrics
 from metrale.ratelimit import RateLimiter

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from metrale.chat import load_chat_template, normalize_messages
 from metrale.config import EngineConfig
-from metrale.core import EngineCore
+from metrale.engine_core import EngineCore
 from metrale.models.loader import load_checkpoint
 from metrale.request import Request
 from metrale.runner import SampledToken

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from metrale.config import EngineConfig  # noqa: E402
-from metrale.core import EngineCore  # noqa: E402
+from metrale.engine_core import EngineCore  # noqa: E402
 from metrale.models.loader import load_checkpoint  # noqa: E402
 from metrale.request import Request  # noqa: E402
 from metrale.sampling import SamplingParams  # noqa: E402

@@ -130,7 +130,7 @@ def main() -> int:
     import cupy as cp
 
     from metrale.config import EngineConfig
-    from metrale.core import EngineCore
+    from metrale.engine_core import EngineCore
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3_5_9b", choices=sorted(SHAPES))

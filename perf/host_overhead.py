@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from metrale._hot.sampler_rows import SamplerParamRows
 from metrale.config import EngineConfig
-from metrale.core import EngineCore
+from metrale.engine_core import EngineCore
 from metrale.backends.cuda.graphs import DecodeInputs, StepBuckets
 from metrale.models.dummy import DummyCheckpoint, _NoTensors
 from metrale.request import Request

@@ -349,7 +349,7 @@ def main(argv=None) -> int:
     if args.http:
         return main_http(args)
     from metrale.config import EngineConfig
-    from metrale.core import EngineCore
+    from metrale.engine_core import EngineCore
 
     rungs = [int(c) for c in args.conc.split(",")]
     t0 = time.perf_counter()

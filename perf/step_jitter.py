@@ -56,7 +56,7 @@ def main() -> int:
     import numpy as np
 
     from metrale.config import EngineConfig
-    from metrale.core import EngineCore
+    from metrale.engine_core import EngineCore
     from metrale.request import Request
     from metrale.sampling import SamplingParams
 

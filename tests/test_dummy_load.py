@@ -7,7 +7,7 @@ import pytest
 
 from tiny_models import make_tiny
 from metrale.config import EngineConfig
-from metrale.core import EngineCore
+from metrale.engine_core import EngineCore
 from metrale.models.checkpoint import CheckpointError
 from metrale.models.loader import load_checkpoint
 from metrale.request import Request

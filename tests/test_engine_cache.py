@@ -10,7 +10,7 @@ import pytest
 
 from metrale.cache.swap import SwapSpace
 from metrale.config import EngineConfig
-from metrale.core import EngineCore
+from metrale.engine_core import EngineCore
 from metrale.models.loader import load_checkpoint
 from metrale.request import Request
 from metrale.sampling import SamplingParams
@@ -143,7 +143,7 @@ def test_tiny_pool_preempts_by_recompute_and_gives_the_same_tokens(arch, prefix,
 
 def with_swap(core: EngineCore, space: SwapSpace | None = None) -> SwapSpace:
     """The engine's swap space (`space` replaces it: sizes in bytes for host and disk). Until
-    metrale/core.py and metrale/runner.py wire it (the lead's files: `EngineCore.swap`,
+    metrale/engine_core.py and metrale/runner.py wire it (the lead's files: `EngineCore.swap`,
     `Scheduler(..., swap=)`, the hook at the top of `ModelRunner.execute`), this attaches it the
     same way from outside."""
     hooked = getattr(core, "swap", None) is not None

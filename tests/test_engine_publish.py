@@ -12,7 +12,7 @@ import zmq
 
 from metrale import wire
 from metrale.config import EngineConfig
-from metrale.core import EngineCore
+from metrale.engine_core import EngineCore
 from metrale.engine_server import EngineAddresses, EngineServer
 from metrale.events import Journal, read_events
 from metrale.models.loader import load_checkpoint

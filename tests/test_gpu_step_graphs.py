@@ -207,7 +207,7 @@ def test_engine_with_padded_steps_serves_like_eager(tmp_path, arch):
     not sample), prefix-cache hits (hybrid models: GDN state snapshots restored) and arrivals
     while others decode (mixed steps)."""
     from metrale.config import EngineConfig
-    from metrale.core import EngineCore
+    from metrale.engine_core import EngineCore
     from metrale.models.loader import load_checkpoint
     from metrale.request import Request
     from metrale.sampling import SamplingParams
@@ -252,7 +252,7 @@ GDN_SHAPES = dict(linear_key_head_dim=32, linear_value_head_dim=32, linear_num_k
 
 def _engine(path, prefill_graphs: str):
     from metrale.config import EngineConfig
-    from metrale.core import EngineCore
+    from metrale.engine_core import EngineCore
     from metrale.models.loader import load_checkpoint
 
     return EngineCore(load_checkpoint(path), EngineConfig(

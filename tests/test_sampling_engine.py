@@ -12,7 +12,7 @@ import zmq
 
 from metrale import wire
 from metrale.config import EngineConfig
-from metrale.core import EngineCore
+from metrale.engine_core import EngineCore
 from metrale.engine_server import EngineAddresses, EngineServer
 from metrale.models.loader import load_checkpoint
 from metrale.request import Request

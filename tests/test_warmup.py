@@ -7,7 +7,7 @@ on by default) through perf/gpu_run.sh."""
 import pytest
 
 from metrale.config import ConfigError, EngineConfig
-from metrale.core import EngineCore
+from metrale.engine_core import EngineCore
 from metrale.models.loader import load_checkpoint
 from metrale.request import Request
 from metrale.sampling import SamplingParams

@@ -26,7 +26,7 @@ from metrale.runner import ModelRunner, SampledToken
 from metrale.sampling import pick_engine_seed
 from metrale.scheduler import Scheduler
 
-log = logging.getLogger("metrale.core")
+log = logging.getLogger("metrale.engine_core")
 
 _CPU_KV_BUDGET_MB = 1024  # default KV pool on the CPU backend when no size is given
 PROFILE_REPORT_STEPS = 256  # --profile logs the per-op times this often
@@ -216,18 +216,8 @@ class EngineCore:
         full = SamplingParams(max_tokens=2, temperature=0.8, top_k=20, top_p=0.9, min_p=0.01,
                               repetition_penalty=1.1, presence_penalty=0.1, frequency_penalty=0.1,
                               seed=0, logprobs=2, ignore_eos=True).validate()
-        sched = self.scheduler
         try:
-            for i, n in enumerate(lengths):
-                ids = [(7 + 31 * j + i) % vocab for j in range(n)]
-                self.add_request(Request(f"__warmup-{i}", ids, full if i == 1 else greedy))
-            while sched.waiting or any(not r.output_token_ids for r in sched.running):
-                self.step()
-            if self.has_unfinished() and room > nseq:     # their decodes + a new prompt
-                self.add_request(Request("__warmup-mixed", [(11 + j) % vocab for j in range(17)],
-                                         greedy))
-            while self.has_unfinished():
-                self.step()
+            self._warm_up_steps(lengths, vocab, mixed=room > nseq, greedy=greedy, full=full)
             if cp is not None:
                 cp.cuda.get_current_stream().synchronize()
         except oom as e:
@@ -244,6 +234,21 @@ class EngineCore:
         log.info("warm-up: %d prefill tokens in %d sequences and a mixed step, %.2f s; "
                  "activation pool %.1f MiB (grew %.1f MiB)", sum(lengths), len(lengths),
                  time.perf_counter() - t0, pool_now / 2**20, (pool_now - grown_from) / 2**20)
+
+    def _warm_up_steps(self, lengths: list[int], vocab: int, mixed: bool, greedy, full) -> None:
+        """The warm-up's prefills (one sequence per length; the second samples with `full`),
+        then, when `mixed`, one step of their decodes beside a new prompt; run to the end."""
+        sched = self.scheduler
+        for i, n in enumerate(lengths):
+            ids = [(7 + 31 * j + i) % vocab for j in range(n)]
+            self.add_request(Request(f"__warmup-{i}", ids, full if i == 1 else greedy))
+        while sched.waiting or any(not r.output_token_ids for r in sched.running):
+            self.step()
+        if self.has_unfinished() and mixed:     # their decodes + a new prompt
+            self.add_request(Request("__warmup-mixed", [(11 + j) % vocab for j in range(17)],
+                                     greedy))
+        while self.has_unfinished():
+            self.step()
 
     def _num_kv_blocks(self, spec, num_slots: int) -> int:
         cfg = self.config
