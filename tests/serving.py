@@ -177,3 +177,16 @@ def metric(url: str, name: str) -> float:
         if line.startswith(name + " ") or line.startswith(name + "{"):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} not in /metrics")
+
+
+def wait_subscribed(push, sub, frontend_id: str) -> None:
+    """Send heartbeats of `frontend_id` on `push` until the engine's echo arrives on `sub`: the
+    SUB socket is subscribed from then on (ZeroMQ drops what a PUB sends before that)."""
+    from metrale import wire
+
+    hello = wire.encode(wire.Heartbeat(frontend_id))
+    while True:
+        push.send_multipart(hello)
+        if sub.poll(200):
+            sub.recv_multipart()
+            return

@@ -4,6 +4,7 @@ import zmq
 
 from tiny_models import make_tiny
 from metrale import wire
+from tests.serving import wait_subscribed
 from metrale.config import EngineConfig
 from metrale.engine_core import EngineCore
 from metrale.engine_server import EngineAddresses, EngineServer
@@ -91,12 +92,7 @@ def test_no_control_request_or_submit_ends_the_loop(tmp_path):
         raise RuntimeError("injected fault")
 
     try:
-        hello = wire.encode(wire.Heartbeat("fe"))
-        while True:          # subscribed once the engine's echo of a heartbeat comes back
-            push.send_multipart(hello)
-            if sub.poll(200):
-                sub.recv_multipart()
-                break
+        wait_subscribed(push, sub, "fe")
         server.ratelimit.check = raising
         reply = control("rate_limit", key="k", tokens=1)
         assert not reply.ok and "RuntimeError" in reply.data["error"]

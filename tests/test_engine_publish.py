@@ -11,6 +11,7 @@ import pytest
 import zmq
 
 from metrale import wire
+from tests.serving import wait_subscribed
 from metrale.config import EngineConfig
 from metrale.engine_core import EngineCore
 from metrale.engine_server import EngineAddresses, EngineServer
@@ -34,12 +35,7 @@ def engine(tmp_path):
     push.connect(server.addresses.submit)
     loop = threading.Thread(target=server.run, daemon=True)
     loop.start()
-    hello = wire.encode(wire.Heartbeat("fe"))
-    while True:          # subscribed once the engine's echo of a heartbeat comes back
-        push.send_multipart(hello)
-        if sub.poll(200):
-            sub.recv_multipart()
-            break
+    wait_subscribed(push, sub, "fe")
     try:
         yield push, sub
     finally:
