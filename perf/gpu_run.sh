@@ -14,6 +14,8 @@
 #   LADDER_ARGS="--prefill-graphs on" ...  extra perf/ladder.py arguments for every ladder
 #   GREEDY_BATCH=/path/smollm2.gguf ...  greedy alone vs in a batch of 64 (perf/greedy_batch.py)
 #   LM_HEAD_COST=1 ...  the lm head with a bf16 vs an fp32 store at decode shapes (perf/lm_head_cost.py)
+#   QUANT_BENCH=1 ...  FP8 / NVFP4 projections against bf16 on the 9B / 27B shapes (perf/quant_gemv.py)
+#   LADDER="qwen3_5_9b qwen3_5_9b:fp8 qwen3_5_9b:nvfp4" ...  a ladder entry may name its weights
 #
 # Wheels the GPU image lacks (pyzmq, falcon, gunicorn, orjson) are installed from ./.whl when it
 # exists (fetch them beforehand with ../shared/tools/gpu-wheels.sh from the project root).
@@ -63,6 +65,12 @@ if [ -n "${LM_HEAD_COST:-}" ]; then
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
+if [ -n "${QUANT_BENCH:-}" ]; then
+  echo "== FP8 / NVFP4 projections"
+  "$PY" perf/quant_gemv.py --out "$OUTDIR" ${QUICK:+--quick} 2>&1 | tee "$OUTDIR/quant_gemv.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
 if [ -z "${SKIP_TESTS:-}" ]; then
 echo "== GPU tests"
 "$PY" -m pytest -m gpu -q -rfEs --timeout 1200 ${PYTEST_ARGS:-} ${PYTEST_FILES:-tests/test_launch.py tests/test_cuda_*.py tests/test_gpu_*.py} 2>&1 | tee "$OUTDIR/pytest_gpu.log"
@@ -104,10 +112,11 @@ fi
 fi
 
 # the concurrency ladder, engine-only (perf/ladder.py); LADDER="" skips it
-for shape in ${LADDER-smollm2_135m qwen3_5_9b qwen3_5_27b qwen3_5_35b_a3b}; do
-  echo "== ladder $shape"
-  "$PY" perf/ladder.py --shape "$shape" --osl "${LADDER_OSL:-256}" --conc "${LADDER_CONC:-1,2,4,8,16,32,64,128}" \
-    --reps "${LADDER_REPS:-3}" --out "$OUTDIR" ${LADDER_ARGS:-} 2>&1 | tee "$OUTDIR/ladder_$shape.log"
+for spec in ${LADDER-smollm2_135m qwen3_5_9b qwen3_5_27b qwen3_5_35b_a3b}; do
+  shape="${spec%%:*}"; weights=bf16; [ "$spec" != "$shape" ] && weights="${spec#*:}"
+  echo "== ladder $shape ($weights)"
+  "$PY" perf/ladder.py --shape "$shape" --weights "$weights" --osl "${LADDER_OSL:-256}" --conc "${LADDER_CONC:-1,2,4,8,16,32,64,128}" \
+    --reps "${LADDER_REPS:-3}" --out "$OUTDIR" ${LADDER_ARGS:-} 2>&1 | tee "$OUTDIR/ladder_${shape}_$weights.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
 

@@ -1,5 +1,6 @@
-"""The concurrency ladder: the seed's workload on real model shapes with synthetic bf16 weights
-made on the GPU. A benchmark, not a test. Engine-only (no HTTP) by default; `--http` runs the
+"""The concurrency ladder: the seed's workload on real model shapes with synthetic weights made on
+the GPU (bf16, or with `--weights fp8 | nvfp4` the projections in block FP8 / NVFP4 as a quantized
+release stores them: metrale.models.dummy.random_quantized). A benchmark, not a test. Engine-only (no HTTP) by default; `--http` runs the
 same ladder through `met serve --load-format dummy` with streaming clients, so the serving
 overhead is the difference between the two records.
 
@@ -76,20 +77,31 @@ def tensor_shapes(config) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
+QUANT_CONFIGS = {"fp8": {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e4m3",
+                         "activation_scheme": "dynamic"},
+                 "nvfp4": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}}
+
+
 class SyntheticTensors(Mapping):
     """Random bf16 weights generated on the GPU on first access (|w| in [2^-7, 2^-5), random
-    sign: never zeros, which time differently)."""
+    sign: never zeros, which time differently); with `quant` the projections a quantized
+    release stores quantized come in that format."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]]):
+    def __init__(self, shapes: dict[str, tuple[int, ...]], quant: str | None = None):
         import cupy as cp
         import ml_dtypes
 
         self.cp, self.bf16 = cp, np.dtype(ml_dtypes.bfloat16)
         self.shapes = shapes
+        self.quant = quant
 
     def __getitem__(self, name):
+        from metrale.models.dummy import is_quantized_projection, random_quantized
+
         cp = self.cp
         shape = self.shapes[name]
+        if self.quant and is_quantized_projection(name, shape):
+            return random_quantized(shape, self.quant, "cuda", abs(hash(name)) % 2**32)
         bits = cp.random.randint(0x3C00, 0x3D00, size=shape, dtype=cp.int32).astype(cp.uint16)
         bits |= (cp.random.randint(0, 2, size=shape, dtype=cp.int32).astype(cp.uint16) << 15)
         return bits.view(self.bf16)
@@ -101,18 +113,35 @@ class SyntheticTensors(Mapping):
         return len(self.shapes)
 
 
-def synthetic_checkpoint(shape: str):
+def synthetic_checkpoint(shape: str, weights: str = "bf16"):
     from metrale.models.checkpoint import Checkpoint
 
     config, model_type = hf_config(shape)
     shapes = tensor_shapes(config)
     cfg = config.to_dict()
     cfg["model_type"] = model_type
-    return Checkpoint(config=cfg, tensors=SyntheticTensors(shapes), path=f"synthetic:{shape}",
+    quant = None if weights == "bf16" else weights
+    if quant:
+        cfg["quantization_config"] = QUANT_CONFIGS[quant]
+    return Checkpoint(config=cfg, tensors=SyntheticTensors(shapes, quant), path=f"synthetic:{shape}",
                       name=shape), shapes
 
 
-def decode_step_bytes(shapes, cfg, batch: int, context: int) -> int:
+def weight_bytes(name: str, shape, weights: str = "bf16") -> float:
+    """Bytes of one stored weight: bf16, or packed codes + scales where a quantized release
+    quantizes it (fp8: 1 byte + a fp32 scale per 128 x 128; nvfp4: 1/2 byte + an e4m3 scale per
+    16 + a fp32 global per row)."""
+    from metrale.models.dummy import is_quantized_projection
+
+    count = int(np.prod(shape))
+    if weights == "bf16" or not is_quantized_projection(name, shape):
+        return count * 2
+    if weights == "fp8":
+        return count + 4 * count / (128 * 128)
+    return count / 2 + count / 16 + 4 * count / shape[-1]
+
+
+def decode_step_bytes(shapes, cfg, batch: int, context: int, weights: str = "bf16") -> int:
     """Fewest bytes one decode step moves: weights once (the embedding table only B rows; of the
     routed experts only the min(E, B * top_k) that B tokens can reach), each sequence's KV and
     GDN state once."""
@@ -121,7 +150,7 @@ def decode_step_bytes(shapes, cfg, batch: int, context: int) -> int:
 
     def moved(name, shape):
         routed = ".mlp.experts." in name
-        return int(np.prod(shape)) * 2 * (reach if routed else 1)
+        return weight_bytes(name, shape, weights) * (reach if routed else 1)
 
     weights = int(sum(moved(n, s) for n, s in shapes.items() if "embed_tokens" not in n))
     if "lm_head.weight" not in shapes:
@@ -186,13 +215,15 @@ def run_rung(core, conc: int, isl: int, osl: int, vocab: int, rng) -> dict:
                 decode_step_p50_ms=1e3 * statistics.median(decode_steps) if decode_steps else None)
 
 
-def write_model_folder(shape: str, folder: Path) -> Path:
+def write_model_folder(shape: str, folder: Path, weights: str = "bf16") -> Path:
     """An HF folder for `met serve --load-format dummy`: config.json plus a word-level tokenizer
     over the whole vocab ('<id>' tokens), since synthetic weights come with no real tokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
 
     config, model_type = hf_config(shape)
     cfg = config.to_dict()
+    if weights != "bf16":
+        cfg["quantization_config"] = QUANT_CONFIGS[weights]
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(cfg))
     vocab = {f"<{i}>": i for i in range(cfg["vocab_size"])}
@@ -343,6 +374,8 @@ def main(argv=None) -> int:
     ap.add_argument("--port", type=int, default=8899)
     ap.add_argument("--client-procs", type=int, default=4,
                     help="HTTP client processes the C streams are spread over")
+    ap.add_argument("--weights", default="bf16", choices=("bf16", "fp8", "nvfp4"),
+                    help="the projections' format (synthetic block FP8 / NVFP4 of the real shapes)")
     ap.add_argument("--prefill-graphs", default="on", choices=("on", "off"),
                     help="the engine's --prefill-graphs (prefill / mixed steps from CUDA graphs)")
     args = ap.parse_args(argv)
@@ -355,7 +388,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     if args.device == "cuda":
         bw = measure_copy_bw()
-        ckpt, shapes = synthetic_checkpoint(args.shape)
+        ckpt, shapes = synthetic_checkpoint(args.shape, args.weights)
     else:
         # the CPU backend (small shapes): what the harness and the serving overhead look like
         # without a GPU; the same dummy weights `met serve --load-format dummy` makes
@@ -364,7 +397,7 @@ def main(argv=None) -> int:
         from metrale.models.loader import load_checkpoint
 
         bw = None
-        folder = write_model_folder(args.shape, Path(tempfile.mkdtemp(prefix="metrale-ladder-")))
+        folder = write_model_folder(args.shape, Path(tempfile.mkdtemp(prefix="metrale-ladder-")), args.weights)
         ckpt = load_checkpoint(str(folder), load_format="dummy", device="cpu")
         shapes = tensor_shapes(hf_config(args.shape)[0])
     core = EngineCore(ckpt, EngineConfig(
@@ -381,7 +414,7 @@ def main(argv=None) -> int:
                 for _ in range(args.reps)]
         step = [r["decode_step_p50_ms"] for r in reps if r["decode_step_p50_ms"]]
         ctx = args.isl + args.osl // 2
-        roof_ms = 1e3 * decode_step_bytes(shapes, cfg, conc, ctx) / bw if bw else float("nan")
+        roof_ms = 1e3 * decode_step_bytes(shapes, cfg, conc, ctx, args.weights) / bw if bw else float("nan")
         row = dict(concurrency=conc, tok_s=statistics.mean(r["tok_s"] for r in reps),
                    tok_s_reps=[r["tok_s"] for r in reps],
                    ttft_p50_ms=statistics.median(r["ttft_p50_ms"] for r in reps),
@@ -411,12 +444,14 @@ def write_record(args, prefix: str, record: dict) -> Path:
     from metrale import levers
     record = dict(commit=git_commit(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                   shape=args.shape, model_config=SHAPES[args.shape], dtype="bfloat16",
+                  weights=args.weights,
                   isl=args.isl, osl=args.osl, reps=args.reps, prefill_graphs=args.prefill_graphs,
                   pdl=levers.get("METRALE_PDL"), **record)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
-    path = out / f"{prefix}_{args.shape}_osl{args.osl}_{stamp}.json"
+    tag = "" if args.weights == "bf16" else f"_{args.weights}"
+    path = out / f"{prefix}_{args.shape}{tag}_osl{args.osl}_{stamp}.json"
     path.write_text(json.dumps(record, indent=1))
     print(f"wrote {path}")
     return path
@@ -426,7 +461,7 @@ def main_http(args) -> int:
     import tempfile
 
     rungs = [int(c) for c in args.conc.split(",")]
-    folder = write_model_folder(args.shape, Path(tempfile.mkdtemp(prefix="metrale-ladder-")))
+    folder = write_model_folder(args.shape, Path(tempfile.mkdtemp(prefix="metrale-ladder-")), args.weights)
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
     t0 = time.perf_counter()
     proc = start_server(folder, args, max(rungs), args.port)

@@ -20,7 +20,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from metrale.backends.cpu import CpuOps
-from metrale.backends.cuda import refuse_quantized
 from metrale.cache.kv import ModelCaches
 from metrale.forward import contiguous_batch
 from metrale.models.checkpoint import CheckpointError
@@ -86,14 +85,6 @@ def test_mixed_checkpoint_keeps_ignored_layers_and_logs_each_group(sources, tmp_
     for group in ("experts nvfp4", "experts float32", "router float32", "shared-expert gate float32",
                   "GDN nvfp4", "lm head float32"):
         assert group in line, line
-
-
-def test_cuda_refuses_quantized_weights(sources, tmp_path):
-    path = quantize_tiny(sources["qwen3"], tmp_path / "nvfp4", "modelopt-nvfp4")
-    w = load_tiny(path).tensor("model.layers.0.self_attn.q_proj.weight", (64, 64))
-    assert isinstance(w, QuantizedTensor) and w.format == "nvfp4"
-    with pytest.raises(CheckpointError, match="FP8/NVFP4 kernels are not in this build yet.*--device cpu"):
-        refuse_quantized(w)
 
 
 # ---- refusals at load --------------------------------------------------------------------------

@@ -88,7 +88,7 @@ class QuantizedTensor:
         if self.block[0] == 1:
             return self
         rows = self.shape[-2]
-        scale = np.repeat(np.asarray(self.scale), self.block[0], -2)[..., :rows, :]
+        scale = np.repeat(self.scale, self.block[0], -2)[..., :rows, :]
         return replace(self, scale=scale, block=(1, self.block[1]))
 
     def scaled(self, factor: float) -> "QuantizedTensor":
@@ -197,18 +197,37 @@ def _array_function(func, args, kwargs):
 
 def concat_rows(parts: list):
     """np.concatenate(parts) along axis 0 for quantized tensors and arrays: one QuantizedTensor
-    where the parts share format, block columns and scale dtype, else StackedParts."""
+    where the parts share format, block columns and scale dtype, else StackedParts of runs (each
+    run of adjacent parts that merge, merged: quantized q|k|v rows stay one part beside bf16
+    rows)."""
     flat = [q for p in parts for q in (p.parts if isinstance(p, StackedParts) else (p,))]
     if all(isinstance(p, QuantizedTensor) for p in flat) and _same_layout(flat):
-        if flat[0].ndim == 2 and len({p.block[0] for p in flat}) + any(
-                p.shape[0] % p.block[0] for p in flat[:-1]) > 1:
-            flat = [p.per_row() for p in flat]
-        return replace(flat[0], data=np.concatenate([p.data for p in flat]),
-                       scale=np.concatenate([np.asarray(p.scale) for p in flat]),
-                       global_scale=None if flat[0].global_scale is None
-                       else np.concatenate([p.global_scale for p in flat]),
-                       input_scale=_max_or_none([p.input_scale for p in flat]))
-    return StackedParts(tuple(flat))
+        return _merge(flat)
+    runs: list[list] = []
+    for p in flat:
+        last = runs[-1] if runs else None
+        if last is not None and isinstance(p, QuantizedTensor) == isinstance(last[0], QuantizedTensor) and (
+                _same_layout(last + [p]) if isinstance(p, QuantizedTensor)
+                else p.dtype == last[0].dtype and tuple(p.shape[1:]) == tuple(last[0].shape[1:])):
+            last.append(p)
+        else:
+            runs.append([p])
+    merged = tuple(_merge(r) if isinstance(r[0], QuantizedTensor) else
+                   (r[0] if len(r) == 1 else np.concatenate(r)) for r in runs)
+    return merged[0] if len(merged) == 1 else StackedParts(merged)
+
+
+def _merge(flat: list[QuantizedTensor]) -> QuantizedTensor:
+    if len(flat) == 1:
+        return flat[0]
+    if flat[0].ndim == 2 and len({p.block[0] for p in flat}) + any(
+            p.shape[0] % p.block[0] for p in flat[:-1]) > 1:
+        flat = [p.per_row() for p in flat]
+    return replace(flat[0], data=np.concatenate([p.data for p in flat]),
+                   scale=np.concatenate([p.scale for p in flat]),
+                   global_scale=None if flat[0].global_scale is None
+                   else np.concatenate([p.global_scale for p in flat]),
+                   input_scale=_max_or_none([p.input_scale for p in flat]))
 
 
 def _same_layout(parts: list[QuantizedTensor]) -> bool:

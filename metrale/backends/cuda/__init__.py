@@ -8,7 +8,8 @@
     gdn.py          kernels_cuda/gdn_conv.cu, gdn_delta.cu  (Gated DeltaNet)
     moe.py          kernels_cuda/moe.cu           (mixture of experts)
     sampling.py     kernels_cuda/sampling.cu      (GpuSampler)
-    gemm/           cuBLAS / cuBLASLt bindings and tuner, kernels_cuda/gemv.cu
+    gemm/           cuBLAS / cuBLASLt bindings and tuner, kernels_cuda/gemv.cu; gemm/quant.py:
+                    FP8 / NVFP4 weights, kernels_cuda/gemv_quant.cu
     graphs.py       decode and step CUDA graphs
 
 The package imports without CuPy (the kernel declarations are checked on CPU-only machines);
@@ -16,7 +17,6 @@ CudaOps needs it.
 """
 from metrale.backends.cuda.kernels import NVCC_OPTIONS, KernelCache, find_nvcc
 from metrale.backends.cuda.layout import BF16, F32, I32, SplitK
-from metrale.backends.cuda.ops import CudaOps, refuse_quantized
+from metrale.backends.cuda.ops import CudaOps
 
-__all__ = ["BF16", "F32", "I32", "NVCC_OPTIONS", "CudaOps", "KernelCache", "SplitK", "find_nvcc",
-           "refuse_quantized"]
+__all__ = ["BF16", "F32", "I32", "NVCC_OPTIONS", "CudaOps", "KernelCache", "SplitK", "find_nvcc"]

@@ -15,6 +15,7 @@ from metrale.backends.cuda.layout import SUFFIX as _SUFFIX
 from metrale.backends.cuda.layout import aligned as _aligned
 from metrale.backends.cuda.layout import block_for as _block_for
 from metrale.backends.cuda.layout import estride as _estride
+from metrale.models.checkpoint import CheckpointError
 
 # kernels_cuda/elementwise.cu, one instantiation per storage type ({} = bf16 | f32)
 declare("elementwise", "embedding_{}", "const int* ids, const T* table, T* out, int H, long long V, int vec")
@@ -46,6 +47,9 @@ def bias_add(ops, y, b, t: int, n_out: int) -> None:
 
 
 def embedding(ops, ids, table):
+    if not hasattr(table, "dtype"):     # a quantized table (gemm/quant.py): no gather kernel reads one
+        raise CheckpointError(f"a {table.scheme} embedding table {tuple(table.shape)} is not supported on "
+                              f"CUDA (only projections may be FP8 / NVFP4)")
     ids = ops._dev(ids)
     table = ops.cp.ascontiguousarray(table)
     t, (v, h) = ids.shape[0], table.shape

@@ -128,7 +128,7 @@ def declare(module: str, name: str, signature: str, pdl: bool = True) -> KernelD
 def declarations() -> dict[str, list[KernelDecl]]:
     """Every declaration, by module (importing the op-family modules that make them)."""
     from metrale.backends.cuda import attention, elementwise, gdn, moe, sampling  # noqa: F401
-    from metrale.backends.cuda.gemm import cublaslt  # noqa: F401
+    from metrale.backends.cuda.gemm import cublaslt, quant  # noqa: F401
     return _DECLS
 
 

@@ -22,22 +22,13 @@ from metrale.backends.cuda import attention as _attention
 from metrale.backends.cuda import elementwise as _elementwise
 from metrale.backends.cuda import gdn as _gdn
 from metrale.backends.cuda import gemm as _gemm
+from metrale.backends.cuda.gemm import quant as _gemm_quant
 from metrale.backends.cuda import moe as _moe
 from metrale.backends.cuda.kernels import KernelCache, LaunchContext
 from metrale.backends.cuda.layout import BF16, F32, SUFFIX
 from metrale.backends.cuda.layout import estride as _estride
 from metrale.forward import ForwardBatch
-from metrale.models.checkpoint import CheckpointError
 from metrale.models.quant import is_quantized
-
-
-def refuse_quantized(x) -> None:
-    """Weight upload refuses quantized tensors (metrale.models.quant) until kernels that read
-    them packed exist: never dequantised into a bf16 copy, never read as bf16."""
-    if is_quantized(x):
-        raise CheckpointError(
-            f"FP8/NVFP4 kernels are not in this build yet: this checkpoint holds {x.scheme} "
-            f"weights {tuple(x.shape)}; serve this checkpoint with --device cpu")
 
 
 class CudaOps:
@@ -101,7 +92,10 @@ class CudaOps:
 
     # -- data movement ---------------------------------------------------------------------
     def asarray(self, x, dtype=None):
-        refuse_quantized(x)
+        if is_quantized(x):     # FP8 / NVFP4: uploaded packed, never a bf16 copy (gemm/quant.py)
+            w = _gemm_quant.upload(self, x)
+            _gemm_quant.ensure_scratch(self, w)
+            return w
         dt = np.dtype(dtype) if dtype is not None else self.dtype
         if isinstance(x, self.cp.ndarray):
             if x.dtype == dt:

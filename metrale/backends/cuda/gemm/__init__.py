@@ -14,6 +14,7 @@ from metrale import levers
 from metrale.backends.cuda.elementwise import bias_add
 from metrale.backends.cuda.gemm import cublas as _cublas
 from metrale.backends.cuda.gemm import cublaslt as _cublaslt
+from metrale.backends.cuda.gemm import quant as _quant
 from metrale.backends.cuda.gemm.cublaslt import KSPLIT_S, OwnGemv
 from metrale.backends.cuda.layout import BF16, F32, SplitK
 from metrale.backends.cuda.layout import estride as _estride
@@ -48,6 +49,8 @@ def linear_parts(ops, x, w):
     fp32 partials when the GEMM tuner's k-split plan beats the plain one for this shape
     (cublaslt.py ksplit_plan: the 9B down projection at 16-64 rows), else linear(x, w).
     The first call of a shape runs plain (and tunes both)."""
+    if _quant.is_device_quantized(w):
+        return _quant.linear(ops, x, w)
     handle = blas(ops)
     ksplit = getattr(handle, "ksplit_plan", None)
     if ksplit is None or w.dtype != x.dtype or w.ndim != 2 or x.shape[-1] != w.shape[1]:
@@ -74,7 +77,9 @@ def lm_head(ops, x, w):
 
 def linear(ops, x, w, bias=None, out_dtype=None):
     """y = x @ w.T (+ bias) via cuBLAS(Lt) or our GEMVs, fp32 compute, output in x's dtype
-    (or fp32 with out_dtype=F32: the lm head)."""
+    (or fp32 with out_dtype=F32: the lm head). FP8 / NVFP4 weights: gemm/quant.py."""
+    if _quant.is_device_quantized(w):
+        return _quant.linear(ops, x, w, bias, out_dtype)
     if w.dtype != x.dtype:
         raise TypeError(f"linear: x is {x.dtype} but w is {w.dtype}; convert one with ops.asarray")
     code = GEMM_TYPES.get(np.dtype(x.dtype))

@@ -1,0 +1,351 @@
+// Decode GEMVs over quantized weights: y[t, n] = x[t, k] @ dequant(w)[n, k]^T for 1-8 rows of
+// bf16 x, fp32 accumulation, weights read packed (never a bf16 copy): the bandwidth win that
+// FP8 and NVFP4 checkpoints exist for. Weight-only: x stays bf16 (the H200 has no FP4 tensor
+// cores; W8A8 is a prefill matter). The math is the CPU spec's (metrale/models/quant.py
+// QuantizedTensor.dequantize, then x @ w^T): the dequantized weight is exact in fp32, so the
+// kernel differs from the spec by the fp32 summation order only.
+//
+// Formats (metrale/backends/cuda/gemm/quant.py uploads them in exactly these layouts):
+//   fp8   w  uint8 [n, k] e4m3 codes, row stride w_ld bytes;
+//         s  fp32 scales, scale of (row, col) = s[(row >> s_rlog2) * s_ld + (col >> s_clog2)]:
+//            block 128 x 128 (transformers fine-grained FP8): 7, 7; per channel: 0, 30; per
+//            tensor: 30, 30; any block of 2^a rows x 2^b >= 16 columns.
+//   nvfp4 w  uint8 [n, k / 2]: two e2m1 codes per byte, column 2j in the low nibble (the
+//            producers' order); row stride w_ld bytes;
+//         s  e4m3 scale per 16 columns [n, k / 16], row stride s_ld bytes;
+//         g  fp32 [n]: the per-row global multiplier (per tensor in the checkpoint; per row
+//            once q|k|v of different tensors share one matrix).
+//         w = e2m1 * s * g.
+// Entry points (extern "C"): gemvq_<fp8|nvfp4>_t<T>_r<R>[_f32], T in {1, 2, 4, 8} (the kernel
+// runs nt <= T rows: the host picks the smallest T >= nt), R in {2, 4} weight rows per warp
+// group; _f32 stores y in fp32 (a quantized lm head), else bf16. Arguments:
+//   x [nt, k] bf16, row stride x_ld elements (x_ld % 8 == 0, 16-byte aligned rows)
+//   w, s (, g) as above; k % 16 == 0 (fp8) or k % 32 == 0 (nvfp4); w 16-byte aligned rows
+//   y [nt, n], row stride y_ld elements
+//   nt (1..T), n, k, ks_log2 (0, 1, 2: warps splitting k, as in gemv.cu)
+//
+// Layout: gemv.cu's. 128 threads (4 warps) per CTA form 4 >> ks_log2 row groups of
+// 1 << ks_log2 warps; a group owns R consecutive weight rows, its warps split k in 16-byte
+// weight vectors (16 fp8 or 32 nvfp4 elements): lane l of slice s reads vectors s*32 + l +
+// j*32*ksplit of each row (512 contiguous bytes per warp-wide load), U per row per round, every
+// weight load of a round in flight before the first use. x comes from L1 (2 / 4 16-byte loads
+// per weight vector and row of x, shared by the R weight rows), the scales from L1 / L2.
+// Decoding, per 16-byte weight vector:
+//   fp8:   8 cvt.rn.f16x2.e4m3x2 (exact), 16 f16 -> f32, 16 FMAs per row of x, then one FMA
+//          with the vector's scale (every vector lies in one scale block: 16 | block columns).
+//   nvfp4: per 32-bit word (8 codes) four half2 of exact magnitudes through one byte
+//          permutation each (the fp16 high bytes of 0, .5, 1, 1.5, 2, 3, 4, 6 as an 8-entry
+//          table: the low bytes are all zero), signs moved in by a second permutation; 32
+//          f16 -> f32, 32 FMAs per row of x; the 16-column groups' sums times their e4m3
+//          scale, the row's sum times g once.
+// Rows past n read row n-1 (in bounds, discarded); x rows past nt read row nt-1 (same).
+// Reduction: warp_sum, then across the k-split warps in shared memory in a fixed order
+// (deterministic: a graph replay equals the eager call bit for bit).
+//
+// Programmatic dependent launch (common.cuh): the first round's weight loads (never written by
+// any kernel) are issued before the wait; x, scales and y after it.
+//
+// Bytes: fp8 n*k (w) + 4 * n*k / (block rows * block cols) (s); nvfp4 n*k/2 (w) + n*k/16 (s) +
+// 4n (g); + nt*k*2 (x, L2/L1) + nt*n*2 (y; 4 with _f32). FLOPs: 2*nt*n*k.
+// Reference: the CPU spec above; tests/test_cuda_quant_gemv.py checks against it (ragged n, k,
+// every T, both R and splits, poisoned outputs).
+#include "common.cuh"
+
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#define GEMVQ_WARPS 4
+
+namespace {
+
+// weight vectors per row per round and lane (registers: R x U weight vectors + T x U x
+// (2 | 4) x vectors)
+template <bool FP4>
+__host__ __device__ constexpr int gemvq_u(int T) { return FP4 ? (T >= 4 ? 1 : 2) : (T >= 4 ? 2 : 4); }
+
+__device__ __forceinline__ uint4 ldg16_w(const void* p, bool pred) { return mt::ldg16_if<true>(p, pred); }
+__device__ __forceinline__ uint4 ldg16_x(const void* p, bool pred) { return mt::ldg16_if<false>(p, pred); }
+
+__device__ __forceinline__ float bf_lo(uint32_t u) { return __uint_as_float(u << 16); }
+__device__ __forceinline__ float bf_hi(uint32_t u) { return __uint_as_float(u & 0xffff0000u); }
+
+__device__ __forceinline__ float2 h2f(uint32_t h) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&h));
+}
+
+// two e4m3 codes (low 16 bits of u) -> exact half2 bits
+__device__ __forceinline__ uint32_t e4m3x2_half2(uint32_t u) {
+    const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(u & 0xffffu), __NV_E4M3);
+    return static_cast<uint32_t>(r.x) | (static_cast<uint32_t>(r.y) << 16);
+}
+
+__device__ __forceinline__ float e4m3_f(uint32_t b) {
+    const __half_raw r = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(b & 0xffu), __NV_E4M3);
+    return __half2float(__half(r));
+}
+
+// fp16 high bytes of the e2m1 magnitudes 0, .5, 1, 1.5 | 2, 3, 4, 6 (low bytes all zero)
+#define E2M1_LUT_LO 0x3E3C3800u
+#define E2M1_LUT_HI 0x46444240u
+
+// half2 of the codes in nibbles 1 and 3 of v (bits 4-7, 12-15): magnitudes by table, signs
+// (bits 7, 15) moved to bits 15, 31. s_sel picks which two bytes of `sv` carry those signs.
+__device__ __forceinline__ uint32_t e2m1_pair(uint32_t v, uint32_t sv, uint32_t s_sel) {
+    const uint32_t mag = __byte_perm(E2M1_LUT_LO, E2M1_LUT_HI, v & 0x7070u);
+    const uint32_t sgn = __byte_perm(sv, 0u, s_sel);
+    return mag | (sgn & 0x80008000u);
+}
+
+// sum over the 8 codes of one word u (elements 0..7: nibble i is element i) times x elements
+// 0..7 (xa: elements 0-3, xb: 4-7 as bf16 pairs)
+__device__ __forceinline__ float e2m1_dot8(uint32_t u, const float xf[8], float acc) {
+    const uint32_t u4 = u << 4;
+    const float2 a = h2f(e2m1_pair(u, u, 0x1404u));             // elements 1, 3
+    const float2 b = h2f(e2m1_pair(u4, u4, 0x1404u));           // elements 0, 2
+    const float2 c = h2f(e2m1_pair(u >> 16, u, 0x3424u));       // elements 5, 7
+    const float2 d = h2f(e2m1_pair(u >> 12, u4, 0x3424u));      // elements 4, 6
+    acc = fmaf(b.x, xf[0], acc);
+    acc = fmaf(a.x, xf[1], acc);
+    acc = fmaf(b.y, xf[2], acc);
+    acc = fmaf(a.y, xf[3], acc);
+    acc = fmaf(d.x, xf[4], acc);
+    acc = fmaf(c.x, xf[5], acc);
+    acc = fmaf(d.y, xf[6], acc);
+    acc = fmaf(c.y, xf[7], acc);
+    return acc;
+}
+
+__device__ __forceinline__ void x_floats(const uint4& q, float xf[8]) {
+    xf[0] = bf_lo(q.x); xf[1] = bf_hi(q.x); xf[2] = bf_lo(q.y); xf[3] = bf_hi(q.y);
+    xf[4] = bf_lo(q.z); xf[5] = bf_hi(q.z); xf[6] = bf_lo(q.w); xf[7] = bf_hi(q.w);
+}
+
+// sum of 4 e4m3 codes of word u times x elements 0..3 of xf (offset o)
+__device__ __forceinline__ float e4m3_dot4(uint32_t u, const float* xf, float acc) {
+    const float2 a = h2f(e4m3x2_half2(u));
+    const float2 b = h2f(e4m3x2_half2(u >> 16));
+    acc = fmaf(a.x, xf[0], acc);
+    acc = fmaf(a.y, xf[1], acc);
+    acc = fmaf(b.x, xf[2], acc);
+    acc = fmaf(b.y, xf[3], acc);
+    return acc;
+}
+
+__device__ __forceinline__ void store_y(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void store_y(float* p, float v) { *p = v; }
+
+template <bool FP4, int T, int R, typename O>
+__device__ __forceinline__ void gemvq(const __nv_bfloat16* x, long long x_ld, const uint8_t* w, long long w_ld,
+                                      const void* s, long long s_ld, int s_rlog2, int s_clog2, const float* g,
+                                      O* y, long long y_ld, int nt, int n, int k, int ks_log2) {
+    static_assert(T * R <= 32, "one output per lane");
+    constexpr int EPV = FP4 ? 32 : 16;           // elements per 16-byte weight vector
+    constexpr int XPV = EPV / 8;                 // 16-byte x vectors per weight vector
+    constexpr int U = gemvq_u<FP4>(T);
+    __shared__ float red[GEMVQ_WARPS][T * R];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int slice = warp & ((1 << ks_log2) - 1);
+    const int n0 = (blockIdx.x * (GEMVQ_WARPS >> ks_log2) + (warp >> ks_log2)) * R;
+    const int kv = k / EPV;                      // weight vectors per row
+    const int step = 32 << ks_log2;
+
+    int row[R];
+    const uint4* wrow[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        row[r] = min(n0 + r, n - 1);
+        wrow[r] = reinterpret_cast<const uint4*>(w + static_cast<long long>(row[r]) * w_ld);
+    }
+    const uint4* xrow[T];
+#pragma unroll
+    for (int t = 0; t < T; ++t)
+        xrow[t] = reinterpret_cast<const uint4*>(x + static_cast<long long>(min(t, nt - 1)) * x_ld);
+
+    float acc[T][R];
+#pragma unroll
+    for (int t = 0; t < T; ++t)
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[t][r] = 0.f;
+
+    bool waited = false;
+    for (int v0 = slice * 32 + lane; v0 < kv; v0 += step * U) {
+        uint4 wv[U][R];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int r = 0; r < R; ++r) wv[u][r] = ldg16_w(wrow[r] + v0 + u * step, v0 + u * step < kv);
+        if (!waited) {
+            mt::pdl_wait();
+            mt::pdl_after_wait();
+            waited = true;
+        }
+        // scales of each (u, r): fp8 one fp32 per vector, nvfp4 two e4m3 bytes (two groups)
+        float sc[U][R][FP4 ? 2 : 1];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int v = min(v0 + u * step, kv - 1);
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                if constexpr (FP4) {
+                    const uint16_t b2 = *reinterpret_cast<const uint16_t*>(
+                        static_cast<const uint8_t*>(s) + static_cast<long long>(row[r]) * s_ld + 2 * v);
+                    sc[u][r][0] = e4m3_f(b2);
+                    sc[u][r][1] = e4m3_f(b2 >> 8);
+                } else {
+                    const long long si = static_cast<long long>(row[r] >> s_rlog2) * s_ld +
+                                         ((static_cast<long long>(v) * EPV) >> s_clog2);
+                    sc[u][r][0] = static_cast<const float*>(s)[si];
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const bool in = v0 + u * step < kv;
+#pragma unroll
+            for (int t = 0; t < T; ++t) {
+                float xf[XPV][8];
+#pragma unroll
+                for (int q = 0; q < XPV; ++q)
+                    x_floats(ldg16_x(xrow[t] + (v0 + u * step) * XPV + q, in), xf[q]);
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    const uint4& wq = wv[u][r];
+                    if constexpr (FP4) {
+                        float p0 = e2m1_dot8(wq.x, xf[0], 0.f);
+                        p0 = e2m1_dot8(wq.y, xf[1], p0);
+                        float p1 = e2m1_dot8(wq.z, xf[2], 0.f);
+                        p1 = e2m1_dot8(wq.w, xf[3], p1);
+                        acc[t][r] = fmaf(p0, sc[u][r][0], fmaf(p1, sc[u][r][1], acc[t][r]));
+                    } else {
+                        float p = e4m3_dot4(wq.x, &xf[0][0], 0.f);
+                        p = e4m3_dot4(wq.y, &xf[0][4], p);
+                        p = e4m3_dot4(wq.z, &xf[1][0], p);
+                        p = e4m3_dot4(wq.w, &xf[1][4], p);
+                        acc[t][r] = fmaf(p, sc[u][r][0], acc[t][r]);
+                    }
+                }
+            }
+        }
+    }
+
+    if (!waited) {
+        mt::pdl_wait();
+        mt::pdl_after_wait();
+    }
+
+    float mine = 0.f;
+#pragma unroll
+    for (int t = 0; t < T; ++t)
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const float v = mt::warp_sum(acc[t][r]);
+            if (lane == t * R + r) mine = v;
+        }
+    if (ks_log2 > 0) {
+        if (lane < T * R) red[warp][lane] = mine;
+        __syncthreads();
+        if (slice != 0) return;
+        for (int i = 1; i < (1 << ks_log2); ++i) mine += red[warp + i][lane < T * R ? lane : 0];
+    }
+    const int t = lane / R, r = lane % R;
+    if (lane < T * R && t < nt && n0 + r < n) {
+        if constexpr (FP4) mine *= g[n0 + r];
+        store_y(y + static_cast<long long>(t) * y_ld + n0 + r, mine);
+    }
+}
+
+}  // namespace
+
+#define MT_GEMVQ(FMT, FP4, T, R, SUF, O)                                                             \
+    extern "C" __global__ void __launch_bounds__(GEMVQ_WARPS * 32, 1) gemvq_##FMT##_t##T##_r##R##SUF( \
+        const __nv_bfloat16* x, long long x_ld, const uint8_t* w, long long w_ld, const void* s,      \
+        long long s_ld, int s_rlog2, int s_clog2, const float* g, O* y, long long y_ld, int nt, int n, \
+        int k, int ks_log2) {                                                                        \
+        gemvq<FP4, T, R, O>(x, x_ld, w, w_ld, s, s_ld, s_rlog2, s_clog2, g, y, y_ld, nt, n, k, ks_log2); \
+        mt::pdl_exit();                                                                              \
+    }
+
+#define MT_GEMVQ_T(T)                                  \
+    MT_GEMVQ(fp8, false, T, 2, , __nv_bfloat16)        \
+    MT_GEMVQ(fp8, false, T, 4, , __nv_bfloat16)        \
+    MT_GEMVQ(fp8, false, T, 2, _f32, float)            \
+    MT_GEMVQ(fp8, false, T, 4, _f32, float)            \
+    MT_GEMVQ(nvfp4, true, T, 2, , __nv_bfloat16)       \
+    MT_GEMVQ(nvfp4, true, T, 4, , __nv_bfloat16)       \
+    MT_GEMVQ(nvfp4, true, T, 2, _f32, float)           \
+    MT_GEMVQ(nvfp4, true, T, 4, _f32, float)
+
+MT_GEMVQ_T(1)
+MT_GEMVQ_T(2)
+MT_GEMVQ_T(4)
+MT_GEMVQ_T(8)
+
+// Dequantization into bf16 (prefill: the cuBLAS bf16 GEMM reads the result): out[n, k] row
+// stride k. One thread per 16-byte weight vector (16 fp8 / 32 nvfp4 elements), grid-stride.
+// Exact where the weight is representable in bf16 (always for nvfp4: e2m1 * e4m3 needs 6
+// significant bits; fp8 * an fp32 scale rounds once to bf16 like the CPU spec's bf16 reading).
+// Bytes: the packed weight and scales read once, n*k*2 written. Launched plainly or under PDL:
+// waits before its first load.
+template <bool FP4>
+__device__ __forceinline__ void dequant(const uint8_t* w, long long w_ld, const void* s, long long s_ld,
+                                        int s_rlog2, int s_clog2, const float* g, __nv_bfloat16* out,
+                                        int n, int k) {
+    mt::pdl_wait();
+    mt::pdl_after_wait();
+    constexpr int EPV = FP4 ? 32 : 16;
+    const int kv = k / EPV;
+    const long long total = static_cast<long long>(n) * kv;
+    for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < total;
+         i += static_cast<long long>(gridDim.x) * blockDim.x) {
+        const int row = static_cast<int>(i / kv), v = static_cast<int>(i % kv);
+        const uint4 q = ldg16_w(w + row * w_ld + 16LL * v, true);
+        const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+        uint32_t o[EPV / 2];   // bf16 pairs
+        if constexpr (FP4) {
+            const uint16_t b2 = *reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(s) + row * s_ld + 2 * v);
+            const float gs = g[row];
+            const float sg[2] = {e4m3_f(b2) * gs, e4m3_f(b2 >> 8) * gs};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const uint32_t u = words[j], u4 = u << 4;
+                const float2 a = h2f(e2m1_pair(u, u, 0x1404u)), b = h2f(e2m1_pair(u4, u4, 0x1404u));
+                const float2 c = h2f(e2m1_pair(u >> 16, u, 0x3424u)), d = h2f(e2m1_pair(u >> 12, u4, 0x3424u));
+                const float sj = sg[j >> 1];
+                const float e[8] = {b.x, a.x, b.y, a.y, d.x, c.x, d.y, c.y};
+#pragma unroll
+                for (int m = 0; m < 4; ++m) {
+                    const __nv_bfloat162 p = __floats2bfloat162_rn(e[2 * m] * sj, e[2 * m + 1] * sj);
+                    o[4 * j + m] = *reinterpret_cast<const uint32_t*>(&p);
+                }
+            }
+        } else {
+            const float sc = static_cast<const float*>(s)[static_cast<long long>(row >> s_rlog2) * s_ld +
+                                                          ((static_cast<long long>(v) * EPV) >> s_clog2)];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float2 a = h2f(e4m3x2_half2(words[j])), b = h2f(e4m3x2_half2(words[j] >> 16));
+                const __nv_bfloat162 p = __floats2bfloat162_rn(a.x * sc, a.y * sc);
+                const __nv_bfloat162 q2 = __floats2bfloat162_rn(b.x * sc, b.y * sc);
+                o[2 * j] = *reinterpret_cast<const uint32_t*>(&p);
+                o[2 * j + 1] = *reinterpret_cast<const uint32_t*>(&q2);
+            }
+        }
+        uint4* dst = reinterpret_cast<uint4*>(out + static_cast<long long>(row) * k + static_cast<long long>(v) * EPV);
+#pragma unroll
+        for (int m = 0; m < EPV / 8; ++m) dst[m] = make_uint4(o[4 * m], o[4 * m + 1], o[4 * m + 2], o[4 * m + 3]);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) dequant_fp8_bf16(
+    const uint8_t* w, long long w_ld, const void* s, long long s_ld, int s_rlog2, int s_clog2,
+    const float* g, __nv_bfloat16* out, int n, int k) {
+    dequant<false>(w, w_ld, s, s_ld, s_rlog2, s_clog2, g, out, n, k);
+    mt::pdl_exit();
+}
+
+extern "C" __global__ void __launch_bounds__(256) dequant_nvfp4_bf16(
+    const uint8_t* w, long long w_ld, const void* s, long long s_ld, int s_rlog2, int s_clog2,
+    const float* g, __nv_bfloat16* out, int n, int k) {
+    dequant<true>(w, w_ld, s, s_ld, s_rlog2, s_clog2, g, out, n, k);
+    mt::pdl_exit();
+}

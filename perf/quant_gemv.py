@@ -1,0 +1,155 @@
+"""FP8 / NVFP4 projections on the CUDA backend against bf16 (a benchmark, not a test).
+
+For the decode projections of Qwen3.5-9B and -27B ([out x in] as our model fuses them: GDN
+in_proj q|k|v|z, out_proj, attention q|gate|k|v, o, MLP gate|up, down) with synthetic weights
+(metrale.models.dummy.random_quantized: block FP8 128 x 128, NVFP4 with e4m3 scales per 16):
+  * rows M = 1, 2, 4, 8, 16, 32, 64 through CudaOps.linear (the GEMVs of kernels_cuda/
+    gemv_quant.cu, tuned on the first call), replayed from a captured CUDA graph of 20 calls:
+    microseconds and the fraction of the copy bandwidth its bytes take (bytes = packed weight +
+    scales + x + y), next to bf16 (CudaOps.linear, cuBLASLt tuned with our bf16 GEMVs);
+  * M = 16, 32, 64 also down the prefill path (dequantise + bf16 GEMM), which is where
+    QUANT_GEMV_MAX_ROWS comes from;
+  * M = 512, 2048, 8192 (prefill): TFLOP/s of the dequantise + bf16 GEMM path against bf16.
+Writes perf/results/quant_gemv_<date>_<commit>.json (or --out).
+
+    python perf/quant_gemv.py [--out DIR] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SHAPES = {
+    "qwen3_5_9b": {"gdn_in_qkvz": (12288, 4096), "gdn_out": (4096, 4096), "attn_qkv": (10240, 4096),
+                   "attn_o": (4096, 4096), "mlp_gate_up": (24576, 4096), "mlp_down": (4096, 12288)},
+    "qwen3_5_27b": {"gdn_in_qkvz": (16384, 5120), "gdn_out": (5120, 6144), "attn_qkv": (14336, 5120),
+                    "attn_o": (5120, 6144), "mlp_gate_up": (34816, 5120), "mlp_down": (5120, 17408)},
+}
+
+
+def commit() -> str:
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"][:7]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
+    except Exception:
+        return "unknown"
+
+
+def copy_bw(cp) -> float:
+    a = cp.empty(2 ** 30, dtype=cp.uint8)
+    b = cp.empty_like(a)
+    for _ in range(3):
+        b[...] = a
+    s, e = cp.cuda.Event(), cp.cuda.Event()
+    s.record()
+    for _ in range(10):
+        b[...] = a
+    e.record()
+    e.synchronize()
+    return 2 * 2 ** 30 * 10 / (cp.cuda.get_elapsed_time(s, e) / 1e3)
+
+
+def graph_time_us(cp, fn, calls: int = 20, reps: int = 5) -> float:
+    """Per-call microseconds of fn() replayed from one captured graph of `calls` calls."""
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        fn()
+        fn()
+        stream.synchronize()
+        stream.begin_capture()
+        for _ in range(calls):
+            fn()
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+        s, e = cp.cuda.Event(), cp.cuda.Event()
+        s.record(stream)
+        for _ in range(reps):
+            graph.launch(stream)
+        e.record(stream)
+        e.synchronize()
+    return cp.cuda.get_elapsed_time(s, e) * 1e3 / (calls * reps)
+
+
+def main(argv=None) -> int:
+    import cupy as cp
+    import ml_dtypes
+
+    from metrale.backends.cuda import CudaOps
+    from metrale.backends.cuda.gemm import quant as q
+    from metrale.models.dummy import _cuda_random, random_quantized
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(ROOT / "perf" / "results"))
+    ap.add_argument("--quick", action="store_true", help="9B shapes, fewer rows")
+    args = ap.parse_args(argv)
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    ops = CudaOps()
+    bw = copy_bw(cp)
+    dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    decode_rows = (1, 2, 4, 8, 16, 32, 64) if not args.quick else (1, 8, 32)
+    prefill_rows = (512, 2048, 8192) if not args.quick else (2048,)
+    rows_out = []
+    shapes = SHAPES if not args.quick else {"qwen3_5_9b": SHAPES["qwen3_5_9b"]}
+    for model, projections in shapes.items():
+        for proj, (n, k) in projections.items():
+            wb = _cuda_random((n, k))
+            wq = {fmt: ops.asarray(random_quantized((n, k), fmt, "cuda", seed=n + k)) for fmt in ("fp8", "nvfp4")}
+            for m in decode_rows + prefill_rows:
+                x = _cuda_random((m, k))
+                rec = dict(model=model, proj=proj, n=n, k=k, m=m)
+                t_b = graph_time_us(cp, lambda: ops.linear(x, wb), calls=20 if m <= 64 else 3)
+                rec["bf16_us"] = t_b
+                rec["bf16_bw"] = (n * k * 2 + m * (n + k) * 2) / (t_b * 1e-6) / bw
+                rec["bf16_tflops"] = 2 * m * n * k / (t_b * 1e-6) / 1e12
+                for fmt, w in wq.items():
+                    t = graph_time_us(cp, lambda: ops.linear(x, w), calls=20 if m <= 64 else 3)
+                    moved = w.nbytes + m * (n + k) * 2
+                    rec[f"{fmt}_us"] = t
+                    rec[f"{fmt}_bw"] = moved / (t * 1e-6) / bw
+                    rec[f"{fmt}_tflops"] = 2 * m * n * k / (t * 1e-6) / 1e12
+                    rec[f"{fmt}_vs_bf16"] = t_b / t
+                    if 8 < m <= 64:                     # the other path at these rows
+                        keep = q.QUANT_GEMV_MAX_ROWS
+                        q.QUANT_GEMV_MAX_ROWS = 0 if m <= keep else 64
+                        try:
+                            rec[f"{fmt}_other_path_us"] = graph_time_us(cp, lambda: ops.linear(x, w))
+                        finally:
+                            q.QUANT_GEMV_MAX_ROWS = keep
+                    if m <= 8:
+                        tv = next(v for v in q.GEMVQ_T if v >= m)
+                        rec[f"{fmt}_config"] = ops._qtuned.get((fmt, tv, (n, k), False))
+                rows_out.append(rec)
+                print(f"{model:12s} {proj:12s} {n:6d}x{k:<6d} M={m:5d}  bf16 {t_b:8.1f} us "
+                      f"({rec['bf16_bw']:.0%} bw, {rec['bf16_tflops']:.0f} TF)  "
+                      + "  ".join(f"{f} {rec[f'{f}_us']:8.1f} us ({rec[f'{f}_bw']:.0%} bw, "
+                                  f"{rec[f'{f}_tflops']:.0f} TF, x{rec[f'{f}_vs_bf16']:.2f})"
+                                  + (f" other {rec[f'{f}_other_path_us']:.1f}" if f"{f}_other_path_us" in rec else "")
+                                  for f in wq), flush=True)
+            del wb, wq
+            cp.get_default_memory_pool().free_all_blocks()
+    record = dict(benchmark="quant_gemv", commit=commit(), date=_dt.datetime.now(_dt.timezone.utc).isoformat(),
+                  device=dev, copy_bandwidth_Bps=bw, quant_gemv_max_rows=q.QUANT_GEMV_MAX_ROWS,
+                  formats={"fp8": "block 128x128 e4m3, fp32 scales", "nvfp4": "e2m1, e4m3 scale / 16, fp32 global / row"},
+                  rows=rows_out)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"quant_gemv_{_dt.datetime.now():%Y%m%d_%H%M%S}_{commit()}.json"
+    path.write_text(json.dumps(record, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
