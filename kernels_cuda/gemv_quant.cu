@@ -280,6 +280,275 @@ MT_GEMVQ_T(2)
 MT_GEMVQ_T(4)
 MT_GEMVQ_T(8)
 
+// ---------------------------------------------------------------------------------------------
+// Tensor-core decode GEMMs: the same y = x @ dequant(w)^T for up to 64 rows of x, the weights
+// dequantised in registers into bf16 mma.sync m16n8k16 fragments (fp32 accumulate): the
+// multiply-adds leave the CUDA cores, so 2-64 rows cost about what one does (the GEMVs above
+// are FMA-bound past 2 rows). x stays bf16 (the spec's activations, unrounded).
+//
+// Entry points gemmq_<fp8|nvfp4>_m<MT>_w<NW>[_f32]: MT m-tiles of 16 rows of x (nt <= 16 * MT),
+// NW n-tiles of 8 weight rows per warp; arguments as gemvq_* (ks_log2: warps splitting k).
+// Layout: 128 threads; 4 >> ks_log2 row groups of 1 << ks_log2 warps; a group owns NW * 8
+// consecutive weight rows. Lane l = 4g + c: weight row g of each n-tile (the B fragment's n),
+// and the 16-byte vector c of each k-chunk of the row (a chunk: 64 fp8 / 128 nvfp4 elements,
+// 4 x 16 bytes; the slice's chunks s, s + ksplit, ...). k is permuted inside a lane's vector
+// (the sum does not care): mma step j of a vector takes its elements as B fragment
+//   fp8:   b0 = (e[4j], e[4j+1]), b1 = (e[4j+2], e[4j+3])               (4 steps per vector)
+//   nvfp4: per 32-bit word of 8 codes e0..e7: b0 = (e0, e4), b1 = (e1, e5); then (e2, e6), (e3, e7)
+// and the A fragment (x rows 16i + g and 16i + g + 8) pairs the same elements (nvfp4: two
+// byte permutations per pair of x words).
+// Decoding: fp8 e4m3 pair -> f16 pair (hardware, exact) -> fp32 -> bf16 pair (exact: 4
+// significant bits). nvfp4: each pair of codes (e_i, e_i+4) of a word is moved by two shifts and
+// two masks into bf16 bits (sign to bit 15, the 3 magnitude bits to 6..8: the value times
+// 2^-126, codes 1 / 9 subnormal), then one bf16 multiply by the group's e4m3 scale times 2^119
+// (exact: <= 6 significant bits, range 2^-17 .. 21); the row's sum times g * 2^7 at the end.
+// Scales: nvfp4 in the fragments (per lane: its own row, two groups per vector); fp8 per
+// chunk on the fp32 partial sums when the scale block spans >= 64 columns and >= 8 rows
+// (128 x 128), or per row at the end when it spans all columns (per channel / tensor); other
+// fp8 layouts run the GEMVs above.
+// Reduction across the k-split warps in shared memory, fixed order (deterministic).
+// Bytes and FLOPs: as the GEMVs (the weight once); x (nt <= 64 rows) from L1 / L2.
+__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                               uint32_t a3, uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+                 "{%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t f2_bf16x2(float lo, float hi) {
+    const __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&p);
+}
+
+// two e4m3 codes (low 16 bits of u) -> bf16 pair, exact
+__device__ __forceinline__ uint32_t e4m3x2_bf16x2(uint32_t u) {
+    const float2 f = h2f(e4m3x2_half2(u));
+    return f2_bf16x2(f.x, f.y);
+}
+
+// codes i and i + 4 of word v -> bf16 bits of (value * 2^-126) pair
+template <int I>
+__device__ __forceinline__ uint32_t e2m1_pair_bf16_scaled(uint32_t v) {
+    constexpr int MS = 6 - 4 * I;          // magnitude bits 4I..4I+2 -> 6..8
+    constexpr int SS = 12 - 4 * I;         // sign bit 4I+3 -> 15
+    const uint32_t m = MS >= 0 ? (v << (MS >= 0 ? MS : 0)) : (v >> (MS < 0 ? -MS : 0));
+    const uint32_t s = v << SS;
+    return (m & 0x01C001C0u) | (s & 0x80008000u);
+}
+
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+    const __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a),
+                                     *reinterpret_cast<const __nv_bfloat162*>(&b));
+    return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+template <bool FP4, int MT, int NW, typename O>
+__device__ __forceinline__ void gemmq(const __nv_bfloat16* x, long long x_ld, const uint8_t* w, long long w_ld,
+                                      const void* s, long long s_ld, int s_rlog2, int s_clog2, const float* g,
+                                      O* y, long long y_ld, int nt, int n, int k, int ks_log2) {
+    constexpr int EPV = FP4 ? 32 : 16;           // elements per lane vector (16 bytes)
+    constexpr int EPC = 4 * EPV;                 // elements per warp chunk (64 bytes per row)
+    constexpr int U = 2;                         // chunks per round (weight loads in flight)
+    __shared__ float red[GEMVQ_WARPS][MT * NW * 4][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int gq = lane >> 2, cq = lane & 3;
+    const int slice = warp & ((1 << ks_log2) - 1);
+    const int n0 = (blockIdx.x * (GEMVQ_WARPS >> ks_log2) + (warp >> ks_log2)) * NW * 8;
+    const int chunks = k / EPC;
+    const int ksplit = 1 << ks_log2;
+    const bool chunk_scale = !FP4 && s_clog2 < 30;    // fp8 block scales: applied per chunk
+    const float up = 6.64613997892457936451903530140172288e35f;   // 2^119
+
+    const uint8_t* wrow[NW];
+#pragma unroll
+    for (int t = 0; t < NW; ++t)
+        wrow[t] = w + static_cast<long long>(min(n0 + 8 * t + gq, n - 1)) * w_ld + 16 * cq;
+    const __nv_bfloat16* xrow[MT][2];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            xrow[i][h] = x + static_cast<long long>(min(16 * i + gq + 8 * h, nt - 1)) * x_ld + EPV * cq;
+
+    float acc[MT][NW][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int t = 0; t < NW; ++t)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][t][e] = 0.f;
+
+    bool waited = false;
+    for (int c0 = slice; c0 < chunks; c0 += ksplit * U) {
+        uint4 wv[U][NW];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int t = 0; t < NW; ++t) {
+                const int ch = c0 + u * ksplit;
+                wv[u][t] = ldg16_w(wrow[t] + static_cast<long long>(ch < chunks ? ch : 0) * 64, ch < chunks);
+            }
+        if (!waited) {
+            mt::pdl_wait();
+            mt::pdl_after_wait();
+            waited = true;
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int ch = c0 + u * ksplit;
+            if (ch >= chunks) break;
+            const int kel = ch * EPC + EPV * cq;      // this lane's first element of the chunk
+            if constexpr (FP4) {
+                uint32_t sc[NW][2];                   // the two groups' scale * 2^119, bf16 pairs
+#pragma unroll
+                for (int t = 0; t < NW; ++t) {
+                    const int row = min(n0 + 8 * t + gq, n - 1);
+                    const uint16_t b2 = *reinterpret_cast<const uint16_t*>(
+                        static_cast<const uint8_t*>(s) + static_cast<long long>(row) * s_ld + kel / 16);
+                    const float2 sf = h2f(e4m3x2_half2(b2));
+                    sc[t][0] = f2_bf16x2(sf.x * up, sf.x * up);
+                    sc[t][1] = f2_bf16x2(sf.y * up, sf.y * up);
+                }
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {        // weight word q: elements 8q .. 8q + 7
+                    uint32_t bq[NW][4];
+#pragma unroll
+                    for (int t = 0; t < NW; ++t) {
+                        const uint32_t v = q == 0 ? wv[u][t].x : q == 1 ? wv[u][t].y : q == 2 ? wv[u][t].z : wv[u][t].w;
+                        const uint32_t f = sc[t][q >> 1];
+                        bq[t][0] = bf16x2_mul(e2m1_pair_bf16_scaled<0>(v), f);    // (e0, e4)
+                        bq[t][1] = bf16x2_mul(e2m1_pair_bf16_scaled<1>(v), f);    // (e1, e5)
+                        bq[t][2] = bf16x2_mul(e2m1_pair_bf16_scaled<2>(v), f);    // (e2, e6)
+                        bq[t][3] = bf16x2_mul(e2m1_pair_bf16_scaled<3>(v), f);    // (e3, e7)
+                    }
+#pragma unroll
+                    for (int i = 0; i < MT; ++i) {
+                        uint32_t a[2][4];             // rows g, g + 8: (x0,x4) (x1,x5) (x2,x6) (x3,x7)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const uint4 r = ldg16_x(reinterpret_cast<const uint4*>(xrow[i][h] + ch * EPC + 8 * q), true);
+                            a[h][0] = __byte_perm(r.x, r.z, 0x5410u);
+                            a[h][1] = __byte_perm(r.x, r.z, 0x7632u);
+                            a[h][2] = __byte_perm(r.y, r.w, 0x5410u);
+                            a[h][3] = __byte_perm(r.y, r.w, 0x7632u);
+                        }
+#pragma unroll
+                        for (int t = 0; t < NW; ++t) {
+                            mma_bf16_16816(acc[i][t], a[0][0], a[1][0], a[0][1], a[1][1], bq[t][0], bq[t][1]);
+                            mma_bf16_16816(acc[i][t], a[0][2], a[1][2], a[0][3], a[1][3], bq[t][2], bq[t][3]);
+                        }
+                    }
+                }
+            } else {
+                uint32_t bq[NW][8];
+#pragma unroll
+                for (int t = 0; t < NW; ++t) {
+                    const uint32_t words[4] = {wv[u][t].x, wv[u][t].y, wv[u][t].z, wv[u][t].w};
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        bq[t][2 * j] = e4m3x2_bf16x2(words[j]);
+                        bq[t][2 * j + 1] = e4m3x2_bf16x2(words[j] >> 16);
+                    }
+                }
+                float sct[NW];
+#pragma unroll
+                for (int t = 0; t < NW; ++t) {
+                    sct[t] = 1.f;
+                    if (chunk_scale)
+                        sct[t] = static_cast<const float*>(s)[static_cast<long long>(min(n0 + 8 * t, n - 1) >> s_rlog2) * s_ld +
+                                                              ((static_cast<long long>(ch) * EPC) >> s_clog2)];
+                }
+#pragma unroll
+                for (int i = 0; i < MT; ++i) {
+                    uint32_t xw[2][8];
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+#pragma unroll
+                        for (int v = 0; v < 2; ++v) {
+                            const uint4 r = ldg16_x(reinterpret_cast<const uint4*>(xrow[i][h] + ch * EPC) + v, true);
+                            xw[h][4 * v] = r.x; xw[h][4 * v + 1] = r.y; xw[h][4 * v + 2] = r.z; xw[h][4 * v + 3] = r.w;
+                        }
+#pragma unroll
+                    for (int t = 0; t < NW; ++t) {
+                        float part[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                        for (int j = 0; j < 4; ++j)
+                            mma_bf16_16816(part, xw[0][2 * j], xw[1][2 * j], xw[0][2 * j + 1], xw[1][2 * j + 1],
+                                           bq[t][2 * j], bq[t][2 * j + 1]);
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) acc[i][t][e] = fmaf(part[e], sct[t], acc[i][t][e]);
+                    }
+                }
+            }
+        }
+    }
+    if (!waited) {
+        mt::pdl_wait();
+        mt::pdl_after_wait();
+    }
+    if (ks_log2 > 0) {
+        if (slice != 0) {
+#pragma unroll
+            for (int i = 0; i < MT; ++i)
+#pragma unroll
+                for (int t = 0; t < NW; ++t)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) red[warp][(i * NW + t) * 4 + e][lane] = acc[i][t][e];
+        }
+        __syncthreads();
+        if (slice != 0) return;
+        for (int sl = 1; sl < (1 << ks_log2); ++sl)
+#pragma unroll
+            for (int i = 0; i < MT; ++i)
+#pragma unroll
+                for (int t = 0; t < NW; ++t)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[i][t][e] += red[warp + sl][(i * NW + t) * 4 + e][lane];
+    }
+    // C fragment: e = 0, 1: x row 16i + g, weight rows 2c, 2c + 1 of the tile; e = 2, 3: x row + 8
+#pragma unroll
+    for (int t = 0; t < NW; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int col = n0 + 8 * t + 2 * cq + (e & 1);
+            if (col >= n) continue;
+            float f;
+            if constexpr (FP4) {
+                f = g[col] * 128.f;
+            } else {
+                f = chunk_scale ? 1.f : static_cast<const float*>(s)[static_cast<long long>(col >> s_rlog2) * s_ld];
+            }
+#pragma unroll
+            for (int i = 0; i < MT; ++i) {
+                const int row = 16 * i + gq + 8 * (e >> 1);
+                if (row < nt) store_y(y + static_cast<long long>(row) * y_ld + col, acc[i][t][e] * f);
+            }
+        }
+}
+
+#define MT_GEMMQ(FMT, FP4, MT, NW, SUF, O)                                                            \
+    extern "C" __global__ void __launch_bounds__(GEMVQ_WARPS * 32, 1) gemmq_##FMT##_m##MT##_w##NW##SUF( \
+        const __nv_bfloat16* x, long long x_ld, const uint8_t* w, long long w_ld, const void* s,      \
+        long long s_ld, int s_rlog2, int s_clog2, const float* g, O* y, long long y_ld, int nt, int n, \
+        int k, int ks_log2) {                                                                        \
+        gemmq<FP4, MT, NW, O>(x, x_ld, w, w_ld, s, s_ld, s_rlog2, s_clog2, g, y, y_ld, nt, n, k, ks_log2); \
+        mt::pdl_exit();                                                                              \
+    }
+
+#define MT_GEMMQ_M(MT, NW)                              \
+    MT_GEMMQ(fp8, false, MT, NW, , __nv_bfloat16)       \
+    MT_GEMMQ(fp8, false, MT, NW, _f32, float)           \
+    MT_GEMMQ(nvfp4, true, MT, NW, , __nv_bfloat16)      \
+    MT_GEMMQ(nvfp4, true, MT, NW, _f32, float)
+
+MT_GEMMQ_M(1, 2)
+MT_GEMMQ_M(1, 4)
+MT_GEMMQ_M(2, 2)
+MT_GEMMQ_M(2, 4)
+MT_GEMMQ_M(4, 2)
+MT_GEMMQ_M(4, 4)
+
 // Dequantization into bf16 (prefill: the cuBLAS bf16 GEMM reads the result): out[n, k] row
 // stride k. One thread per 16-byte weight vector (16 fp8 / 32 nvfp4 elements), grid-stride.
 // Exact where the weight is representable in bf16 (always for nvfp4: e2m1 * e4m3 needs 6

@@ -3,12 +3,14 @@
 For the decode projections of Qwen3.5-9B and -27B ([out x in] as our model fuses them: GDN
 in_proj q|k|v|z, out_proj, attention q|gate|k|v, o, MLP gate|up, down) with synthetic weights
 (metrale.models.dummy.random_quantized: block FP8 128 x 128, NVFP4 with e4m3 scales per 16):
-  * rows M = 1, 2, 4, 8, 16, 32, 64 through CudaOps.linear (the GEMVs of kernels_cuda/
-    gemv_quant.cu, tuned on the first call), replayed from a captured CUDA graph of 20 calls:
-    microseconds and the fraction of the copy bandwidth its bytes take (bytes = packed weight +
-    scales + x + y), next to bf16 (CudaOps.linear, cuBLASLt tuned with our bf16 GEMVs);
-  * M = 16, 32, 64 also down the prefill path (dequantise + bf16 GEMM), which is where
-    QUANT_GEMV_MAX_ROWS comes from;
+  * rows M = 1, 2, 4, 8, 16, 32, 64 through CudaOps.linear (the decode kernels of kernels_cuda/
+    gemv_quant.cu, tuned on the first call: the config it chose is recorded), replayed from a
+    captured CUDA graph of 20 calls that cycle over enough copies of the weight to exceed the
+    50 MB L2 (as in a real step, where no weight is L2-resident): microseconds and the fraction
+    of the copy bandwidth its bytes take (bytes = packed weight + scales + x + y), next to bf16
+    (CudaOps.linear, cuBLASLt tuned with our bf16 GEMVs) measured the same way;
+  * M = 16, 32, 64 also down the prefill path (dequantise + bf16 GEMM): where
+    QUANT_MMA_MAX_ROWS comes from;
   * M = 512, 2048, 8192 (prefill): TFLOP/s of the dequantise + bf16 GEMM path against bf16.
 Writes perf/results/quant_gemv_<date>_<commit>.json (or --out).
 
@@ -24,7 +26,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -60,16 +61,18 @@ def copy_bw(cp) -> float:
     return 2 * 2 ** 30 * 10 / (cp.cuda.get_elapsed_time(s, e) / 1e3)
 
 
-def graph_time_us(cp, fn, calls: int = 20, reps: int = 5) -> float:
-    """Per-call microseconds of fn() replayed from one captured graph of `calls` calls."""
+def graph_time_us(cp, fn, calls: int = 20, reps: int = 5, copies: int = 1) -> float:
+    """Per-call microseconds of fn(i) replayed from one captured graph of `calls` calls, i cycling
+    over `copies` weight copies."""
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
-        fn()
-        fn()
+        for i in range(copies):
+            fn(i)
+            fn(i)
         stream.synchronize()
         stream.begin_capture()
-        for _ in range(calls):
-            fn()
+        for c in range(calls):
+            fn(c % copies)
         graph = stream.end_capture()
         graph.launch(stream)
         stream.synchronize()
@@ -84,8 +87,6 @@ def graph_time_us(cp, fn, calls: int = 20, reps: int = 5) -> float:
 
 def main(argv=None) -> int:
     import cupy as cp
-    import ml_dtypes
-
     from metrale.backends.cuda import CudaOps
     from metrale.backends.cuda.gemm import quant as q
     from metrale.models.dummy import _cuda_random, random_quantized
@@ -94,7 +95,6 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "perf" / "results"))
     ap.add_argument("--quick", action="store_true", help="9B shapes, fewer rows")
     args = ap.parse_args(argv)
-    bf16 = np.dtype(ml_dtypes.bfloat16)
     ops = CudaOps()
     bw = copy_bw(cp)
     dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
@@ -104,43 +104,53 @@ def main(argv=None) -> int:
     shapes = SHAPES if not args.quick else {"qwen3_5_9b": SHAPES["qwen3_5_9b"]}
     for model, projections in shapes.items():
         for proj, (n, k) in projections.items():
-            wb = _cuda_random((n, k))
-            wq = {fmt: ops.asarray(random_quantized((n, k), fmt, "cuda", seed=n + k)) for fmt in ("fp8", "nvfp4")}
+            l2 = 150 * 2 ** 20             # > the H200's 50 MB L2, three times over
+            nb = max(1, -(-l2 // (n * k * 2)))
+            wb = [_cuda_random((n, k)) for _ in range(nb)]
+            wq = {}
+            for fmt in ("fp8", "nvfp4"):
+                one = ops.asarray(random_quantized((n, k), fmt, "cuda", seed=n + k))
+                wq[fmt] = [one] + [ops.asarray(random_quantized((n, k), fmt, "cuda", seed=n + k + c))
+                                   for c in range(1, max(1, -(-l2 // one.nbytes)))]
             for m in decode_rows + prefill_rows:
                 x = _cuda_random((m, k))
                 rec = dict(model=model, proj=proj, n=n, k=k, m=m)
-                t_b = graph_time_us(cp, lambda: ops.linear(x, wb), calls=20 if m <= 64 else 3)
+                t_b = graph_time_us(cp, lambda i: ops.linear(x, wb[i]), calls=20 if m <= 64 else 3,
+                                    copies=len(wb) if m <= 64 else 1)
                 rec["bf16_us"] = t_b
                 rec["bf16_bw"] = (n * k * 2 + m * (n + k) * 2) / (t_b * 1e-6) / bw
                 rec["bf16_tflops"] = 2 * m * n * k / (t_b * 1e-6) / 1e12
-                for fmt, w in wq.items():
-                    t = graph_time_us(cp, lambda: ops.linear(x, w), calls=20 if m <= 64 else 3)
+                for fmt, ws in wq.items():
+                    w = ws[0]
+                    t = graph_time_us(cp, lambda i: ops.linear(x, ws[i]), calls=20 if m <= 64 else 3,
+                                      copies=len(ws) if m <= 64 else 1)
                     moved = w.nbytes + m * (n + k) * 2
                     rec[f"{fmt}_us"] = t
                     rec[f"{fmt}_bw"] = moved / (t * 1e-6) / bw
                     rec[f"{fmt}_tflops"] = 2 * m * n * k / (t * 1e-6) / 1e12
                     rec[f"{fmt}_vs_bf16"] = t_b / t
-                    if 8 < m <= 64:                     # the other path at these rows
-                        keep = q.QUANT_GEMV_MAX_ROWS
-                        q.QUANT_GEMV_MAX_ROWS = 0 if m <= keep else 64
+                    if 8 < m <= 64:                     # the prefill path at these rows
+                        keep = q.QUANT_MMA_MAX_ROWS, q.QUANT_GEMV_MAX_ROWS
+                        q.QUANT_MMA_MAX_ROWS = q.QUANT_GEMV_MAX_ROWS = 0
                         try:
-                            rec[f"{fmt}_other_path_us"] = graph_time_us(cp, lambda: ops.linear(x, w))
+                            rec[f"{fmt}_other_path_us"] = graph_time_us(cp, lambda i: ops.linear(x, ws[i]),
+                                                                        copies=len(ws))
                         finally:
-                            q.QUANT_GEMV_MAX_ROWS = keep
-                    if m <= 8:
-                        tv = next(v for v in q.GEMVQ_T if v >= m)
-                        rec[f"{fmt}_config"] = ops._qtuned.get((fmt, tv, (n, k), False))
+                            q.QUANT_MMA_MAX_ROWS, q.QUANT_GEMV_MAX_ROWS = keep
+                    if m <= 64:
+                        rec[f"{fmt}_config"] = ops._qtuned.get((fmt, q._bucket(m), (n, k), False, q.mma_applies(w)))
                 rows_out.append(rec)
                 print(f"{model:12s} {proj:12s} {n:6d}x{k:<6d} M={m:5d}  bf16 {t_b:8.1f} us "
                       f"({rec['bf16_bw']:.0%} bw, {rec['bf16_tflops']:.0f} TF)  "
                       + "  ".join(f"{f} {rec[f'{f}_us']:8.1f} us ({rec[f'{f}_bw']:.0%} bw, "
                                   f"{rec[f'{f}_tflops']:.0f} TF, x{rec[f'{f}_vs_bf16']:.2f})"
                                   + (f" other {rec[f'{f}_other_path_us']:.1f}" if f"{f}_other_path_us" in rec else "")
+                                  + (f" {rec.get(f'{f}_config')}" if m <= 64 else "")
                                   for f in wq), flush=True)
-            del wb, wq
+            wb = wq = None
             cp.get_default_memory_pool().free_all_blocks()
     record = dict(benchmark="quant_gemv", commit=commit(), date=_dt.datetime.now(_dt.timezone.utc).isoformat(),
-                  device=dev, copy_bandwidth_Bps=bw, quant_gemv_max_rows=q.QUANT_GEMV_MAX_ROWS,
+                  device=dev, copy_bandwidth_Bps=bw, quant_mma_max_rows=q.QUANT_MMA_MAX_ROWS,
                   formats={"fp8": "block 128x128 e4m3, fp32 scales", "nvfp4": "e2m1, e4m3 scale / 16, fp32 global / row"},
                   rows=rows_out)
     out = Path(args.out)

@@ -2,11 +2,14 @@
 metrale.backends.cuda.gemm.quant) against the CPU spec: QuantizedTensor.dequantize() in fp32,
 then x @ w^T in fp32 (numpy).
 
-- every GEMV entry point: rows 1..8 (3, 5, 7 run the next compiled T), both R, every k split,
-  n not a multiple of R or of a CTA, k not a multiple of a round, FP8 scale blocks 128 x 128 /
-  per channel / per tensor / 32 x 64 / 3 x 48 (expanded on upload), NVFP4 with a per-row global
-  scale; outputs NaN-poisoned first. bf16 output: relative Frobenius error <= 1e-2 (the bf16
-  rounding of y is ~3e-3); fp32 output (a quantized lm head): <= 1e-5 (summation order only);
+- every decode entry point: the CUDA-core GEMVs at rows 1..8 (3, 5, 7 run the next compiled T)
+  with both R and every k split, the tensor-core GEMMs at rows 1..64 (m-tiles 1, 2, 4; partial
+  tiles) with both n-tile widths and every k split; n not a multiple of a row group or a CTA,
+  k not a multiple of a round; FP8 scale blocks 128 x 128 / per channel / per tensor / 32 x 64 /
+  3 x 48 (expanded on upload: GEMVs only), NVFP4 with a per-row global scale and every e2m1
+  code (the subnormal 0.5 included); outputs NaN-poisoned first. bf16 output: relative
+  Frobenius error <= 1e-2 (the bf16 rounding of y is ~3e-3); fp32 output (a quantized lm head):
+  <= 1e-5 (summation order only);
 - the dequantisation kernel (prefill): bit-exact against the spec's fp32 product rounded to bf16;
 - CudaOps.linear: decode rows (GEMVs in chunks of 8), prefill rows (dequantise + cuBLAS), bias,
   fp32 output, StackedParts of quantized and bf16 rows, a captured graph's replay equal to the
@@ -74,8 +77,8 @@ def _fp8_block(block, n, k):
 
 
 @pytest.mark.parametrize("fmt,block", [("fp8", b) for b in FP8_BLOCKS] + [("nvfp4", None)])
-@pytest.mark.parametrize("n,k", [(1, 96), (7, 4096), (130, 1536), (1031, 576), (4099, 12288 + 32 * 3)])
-def test_every_gemv_entry_point_matches_the_spec(ops, cp, fmt, block, n, k):
+@pytest.mark.parametrize("n,k", [(1, 96), (7, 4096), (130, 1536), (1031, 576), (4099, 12288 + 128)])
+def test_every_decode_entry_point_matches_the_spec(ops, cp, fmt, block, n, k):
     from metrale.backends.cuda.gemm import quant as q
 
     if fmt == "fp8" and block == (3, 48) and k % 48:
@@ -83,17 +86,22 @@ def test_every_gemv_entry_point_matches_the_spec(ops, cp, fmt, block, n, k):
     rng = np.random.default_rng(n * 31 + k)
     qt = fp8_tensor(rng, n, k, _fp8_block(block, n, k)) if fmt == "fp8" else nvfp4_tensor(rng, n, k)
     w = q.upload(ops, qt)
-    x = rng.standard_normal((8, k)).astype(BF16)
+    mma = q.mma_applies(w)
+    assert mma == (k % (128 if fmt == "nvfp4" else 64) == 0 and block != (3, 48)), "which layouts take the mma path"
+    x = rng.standard_normal((64, k)).astype(BF16)
     ref = reference(x, qt)
     xd = cp.asarray(x)
-    for nt in range(1, 9):
-        for cfg in q._configs(fmt, k):
+    kinds = set()
+    for nt in [*range(1, 9), 12, 16, 17, 31, 33, 64]:
+        for cfg in q._configs(fmt, k, nt, mma):
+            kinds.add(cfg[0])
             for f32 in (False, True):
                 y = cp.empty((nt, n), dtype=F32 if f32 else BF16)
                 y.view(np.uint32 if f32 else np.uint16).fill(0x7FC00000 if f32 else 0x7FC0)
-                q._gemvq_launch(ops, w, cfg, xd[:nt], k, y, n, nt, f32)
+                q._launch(ops, w, cfg, xd[:nt], k, y, n, nt, f32)
                 err = rel(cp.asnumpy(y).astype(F32), ref[:nt])
                 assert err <= (1e-5 if f32 else 1e-2), (fmt, block, n, k, nt, cfg, f32, err)
+    assert kinds == ({"gemv", "mma"} if mma else {"gemv"})
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
@@ -118,7 +126,7 @@ def _linear_cases(rng):
 
 
 @pytest.mark.parametrize("case", ["fp8", "nvfp4", "mixed"])
-@pytest.mark.parametrize("rows", [1, 5, 8, 13, 32, 33, 300])
+@pytest.mark.parametrize("rows", [1, 5, 8, 13, 32, 33, 64, 65, 300])
 def test_linear_decode_and_prefill_rows(ops, cp, case, rows):
     from metrale.models.quant import dense
 
@@ -133,9 +141,9 @@ def test_linear_decode_and_prefill_rows(ops, cp, case, rows):
     assert rel(y, ref + np.asarray(bias, F32)) <= 1e-2
     y32 = cp.asnumpy(ops.lm_head(cp.asarray(x), w))
     assert y32.dtype == F32
-    # fp32 out: GEMV rows sum in fp32 (1e-5); prefill rows multiply the bf16-rounded weight
-    # (fp8 x fp32 scale rounds; nvfp4 is exact in bf16)
-    tol = 1e-5 if rows <= 32 or case == "nvfp4" else 5e-3
+    # fp32 out: decode rows sum the exact weight in fp32 (1e-5); prefill rows multiply the weight
+    # rounded to bf16 (the product with an fp32 scale / global scale rounds)
+    tol = 1e-5 if rows <= 64 else 5e-3
     assert rel(y32, ref) <= tol, (case, rows)
 
 

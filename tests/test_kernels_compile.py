@@ -101,7 +101,7 @@ def test_backend_kernel_names_exist(name, tmp_path):
 # read-only-path loads of weights, and only in the kernels listed here (their header says why).
 _PDL_EXEMPT = {"launch_selftest"}                      # launched plainly (metrale/backends/cuda/kernels.py)
 # gemv.cu, gemv_quant.cu: their first round of weight loads
-_PRE_WAIT_WEIGHT_LOADS = re.compile(r"^(gemv_t\d+_r\d+_(bf16|f16|bf16_f32)|gemvq_(fp8|nvfp4)_t\d+_r\d+(_f32)?)$")
+_PRE_WAIT_WEIGHT_LOADS = re.compile(r"^(gemv_t\d+_r\d+_(bf16|f16|bf16_f32)|gem[vm]q_(fp8|nvfp4)_[tm]\d+_[rw]\d+(_f32)?)$")
 _MEM = re.compile(r"\b(ld\.global|st\.global|atom\.|red\.|cp\.async|cp\.reduce|ld\.volatile|st\.volatile|"
                   r"ld\.relaxed|ld\.acquire|st\.release|tex\.|suld|sust|ld\.(?!param|shared|local|const)\w*)")
 

@@ -30,15 +30,21 @@ GEMVQ_WARPS = 4
 GEMVQ_T = (1, 2, 4, 8)
 GEMVQ_R = (2, 4)
 GEMVQ_KS_LOG2 = (0, 1, 2)
-# rows up to which the GEMVs run (in chunks of 8, each re-reading the weight); beyond, the
-# dequantise + bf16 GEMM path (set from perf/quant_gemv.py on the H200, see its record)
-QUANT_GEMV_MAX_ROWS = 32
+# rows up to which the decode kernels run; beyond, the dequantise + bf16 GEMM path. The GEMVs
+# in chunks of 8 re-read the weight per chunk: on the H200 (perf/quant_gemv.py, e44b90a) 16 rows
+# that way took 0.8x the dequantise path and 32 rows 1.6x, so the GEMV-only layouts stop at 16.
+QUANT_MMA_MAX_ROWS = 64
+QUANT_GEMV_MAX_ROWS = 16
+GEMMQ_MT = (1, 2, 4)
+GEMMQ_NW = (2, 4)
 _WIDE = 30          # a log2 block size that covers every row / column (per tensor, per channel)
 
 _GEMVQ_ARGS = ("const bf16* x, long long x_ld, const uint8_t* w, long long w_ld, const void* s, long long s_ld, "
                "int s_rlog2, int s_clog2, const float* g, O* y, long long y_ld, int nt, int n, int k, int ks_log2")
 declare("gemv_quant", "gemvq_{}_t{}_r{}", _GEMVQ_ARGS)          # y bf16
 declare("gemv_quant", "gemvq_{}_t{}_r{}_f32", _GEMVQ_ARGS)      # y fp32
+declare("gemv_quant", "gemmq_{}_m{}_w{}", _GEMVQ_ARGS)          # y bf16
+declare("gemv_quant", "gemmq_{}_m{}_w{}_f32", _GEMVQ_ARGS)      # y fp32
 declare("gemv_quant", "dequant_{}_bf16",
         "const uint8_t* w, long long w_ld, const void* s, long long s_ld, int s_rlog2, int s_clog2, "
         "const float* g, bf16* out, int n, int k")
@@ -150,54 +156,81 @@ def ensure_scratch(ops, w) -> None:
         ops._qscratch = ops.cp.empty(need, dtype=BF16)
 
 
-# -- the GEMVs --------------------------------------------------------------------------------
+# -- the decode kernels -------------------------------------------------------------------------
+# a config: ("gemv", R, ks_log2) | ("mma", NW, ks_log2)
 
-def _configs(fmt: str, k: int) -> list[tuple[int, int]]:
-    kv = k // (32 if fmt == "nvfp4" else 16)
-    return [(r, ks) for r in GEMVQ_R for ks in GEMVQ_KS_LOG2 if ks == 0 or kv > (32 << (ks - 1))]
-
-
-def _default_config(w: QWeight) -> tuple[int, int]:
+def mma_applies(w: QWeight) -> bool:
+    """Whether the tensor-core decode kernels read this weight (see gemv_quant.cu)."""
     n, k = w.shape
+    if w.format == "nvfp4":
+        return k % 128 == 0
+    return k % 64 == 0 and (w.s_clog2 >= _WIDE or (w.s_clog2 >= 6 and w.s_rlog2 >= 3))
+
+
+def _configs(fmt: str, k: int, nt: int = 1, mma: bool = False) -> list[tuple]:
+    out = []
+    if nt <= GEMVQ_T[-1]:
+        kv = k // (32 if fmt == "nvfp4" else 16)
+        out += [("gemv", r, ks) for r in GEMVQ_R for ks in GEMVQ_KS_LOG2 if ks == 0 or kv > (32 << (ks - 1))]
+    if mma:
+        chunks = k // (128 if fmt == "nvfp4" else 64)
+        out += [("mma", nw, ks) for nw in GEMMQ_NW for ks in GEMVQ_KS_LOG2 if ks == 0 or chunks >= 2 << ks]
+    return out
+
+
+def _default_config(w: QWeight, nt: int, mma: bool) -> tuple:
+    n, k = w.shape
+    if mma:
+        return ("mma", 4 if n >= 4 * 8 * 4 * 132 else 2, 2 if k >= 4096 else 1)
     kv = k // (32 if w.format == "nvfp4" else 16)
-    r = 4 if n >= 4 * 132 * GEMVQ_WARPS else 2
-    ks = 2 if kv >= 256 else 1 if kv >= 64 else 0
-    return r, ks
+    return ("gemv", 4 if n >= 4 * 132 * GEMVQ_WARPS else 2, 2 if kv >= 256 else 1 if kv >= 64 else 0)
 
 
-def _gemvq_launch(ops, w: QWeight, cfg, x, x_ld: int, y, y_ld: int, nt: int, f32: bool) -> None:
-    r, ks = cfg
-    tv = next(v for v in GEMVQ_T if v >= nt)
-    fn = ops.kernel("gemv_quant", f"gemvq_{w.format}_t{tv}_r{r}{'_f32' if f32 else ''}")
+def _launch(ops, w: QWeight, cfg, x, x_ld: int, y, y_ld: int, nt: int, f32: bool) -> None:
+    kind, a, ks = cfg
     n, k = w.shape
-    groups = -(-n // r)
-    per_cta = GEMVQ_WARPS >> ks
-    fn((-(-groups // per_cta),), (32 * GEMVQ_WARPS,),
+    sfx = "_f32" if f32 else ""
+    if kind == "gemv":
+        tv = next(v for v in GEMVQ_T if v >= nt)
+        fn = ops.kernel("gemv_quant", f"gemvq_{w.format}_t{tv}_r{a}{sfx}")
+        rows_per_cta = a * (GEMVQ_WARPS >> ks)
+    else:
+        mt = next(v for v in GEMMQ_MT if 16 * v >= nt)
+        fn = ops.kernel("gemv_quant", f"gemmq_{w.format}_m{mt}_w{a}{sfx}")
+        rows_per_cta = 8 * a * (GEMVQ_WARPS >> ks)
+    fn((-(-n // rows_per_cta),), (32 * GEMVQ_WARPS,),
        x=x, x_ld=x_ld, w=w.data, w_ld=int(w.data.shape[1]), s=w.scale, s_ld=w.s_ld, s_rlog2=w.s_rlog2,
        s_clog2=w.s_clog2, g=w.global_scale, y=y, y_ld=y_ld, nt=nt, n=n, k=k, ks_log2=ks)
 
 
-def _plan(ops, w: QWeight, nt: int, f32: bool, x, x_ld: int, y, y_ld: int):
+def _bucket(nt: int) -> int:
+    if nt <= GEMVQ_T[-1]:
+        return next(v for v in GEMVQ_T if v >= nt)
+    return 16 * next(v for v in GEMMQ_MT if 16 * v >= nt)
+
+
+def _plan(ops, w: QWeight, nt: int, f32: bool, x, x_ld: int, y, y_ld: int, mma: bool):
+    """The fastest config for (format, row bucket, shape, output type): timed on the first eager
+    call over every candidate (each writes the same y); inside a capture a default until then."""
     from metrale.backends.cuda.gemm.cublaslt import _capturing
 
     tuned = getattr(ops, "_qtuned", None)
     if tuned is None:
         tuned = ops._qtuned = {}
-    tv = next(v for v in GEMVQ_T if v >= nt)
-    key = (w.format, tv, w.shape, f32)
+    key = (w.format, _bucket(nt), w.shape, f32, mma)
     cfg = tuned.get(key)
     if cfg is not None:
         return cfg
     if _capturing(ops.stream_ptr):
-        return _default_config(w)          # provisional; the next eager call tunes
+        return _default_config(w, nt, mma)
     cp = ops.cp
     best, best_t = None, None
-    for c in _configs(w.format, w.shape[1]):
-        _gemvq_launch(ops, w, c, x, x_ld, y, y_ld, nt, f32)     # warm (compile, caches)
+    for c in _configs(w.format, w.shape[1], nt, mma):
+        _launch(ops, w, c, x, x_ld, y, y_ld, nt, f32)     # warm (compile, caches)
         start, end = cp.cuda.Event(), cp.cuda.Event()
         start.record()
         for _ in range(5):
-            _gemvq_launch(ops, w, c, x, x_ld, y, y_ld, nt, f32)
+            _launch(ops, w, c, x, x_ld, y, y_ld, nt, f32)
         end.record()
         end.synchronize()
         t = cp.cuda.get_elapsed_time(start, end)
@@ -207,14 +240,17 @@ def _plan(ops, w: QWeight, nt: int, f32: bool, x, x_ld: int, y, y_ld: int):
     return best
 
 
-def _gemv_into(ops, x2, x_ld: int, w: QWeight, y, y_ld: int, f32: bool) -> None:
-    """y[:t, :n] = x2 @ w^T by the GEMVs, 8 rows at a time (y a view with row stride y_ld)."""
+def _decode_into(ops, x2, x_ld: int, w: QWeight, y, y_ld: int, f32: bool) -> None:
+    """y[:t, :n] = x2 @ w^T by the decode kernels (y a view with row stride y_ld): one launch
+    where the tensor-core kernels apply, else the GEMVs 8 rows at a time."""
     t = x2.shape[0]
-    for r0 in range(0, t, GEMVQ_T[-1]):
-        nt = min(GEMVQ_T[-1], t - r0)
+    mma = mma_applies(w)
+    step = GEMMQ_MT[-1] * 16 if mma else GEMVQ_T[-1]
+    for r0 in range(0, t, step):
+        nt = min(step, t - r0)
         xs, ys = x2[r0:r0 + nt], y[r0:r0 + nt]
-        cfg = _plan(ops, w, nt, f32, xs, x_ld, ys, y_ld)
-        _gemvq_launch(ops, w, cfg, xs, x_ld, ys, y_ld, nt, f32)
+        cfg = _plan(ops, w, nt, f32, xs, x_ld, ys, y_ld, mma)
+        _launch(ops, w, cfg, xs, x_ld, ys, y_ld, nt, f32)
 
 
 def dequantize(ops, w: QWeight):
@@ -235,8 +271,8 @@ def _part_into(ops, x2, x_ld: int, p, y, y_ld: int, y_code, f32: bool) -> None:
 
     t, k = x2.shape
     n = p.shape[0]
-    if isinstance(p, QWeight) and t <= QUANT_GEMV_MAX_ROWS:
-        _gemv_into(ops, x2, x_ld, p, y, y_ld, f32)
+    if isinstance(p, QWeight) and t <= (QUANT_MMA_MAX_ROWS if mma_applies(p) else QUANT_GEMV_MAX_ROWS):
+        _decode_into(ops, x2, x_ld, p, y, y_ld, f32)
         return
     wb = dequantize(ops, p) if isinstance(p, QWeight) else p
     if wb.dtype != x2.dtype:
