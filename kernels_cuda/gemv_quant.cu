@@ -349,7 +349,7 @@ __device__ __forceinline__ void gemmq(const __nv_bfloat16* x, long long x_ld, co
                                       O* y, long long y_ld, int nt, int n, int k, int ks_log2) {
     constexpr int EPV = FP4 ? 32 : 16;           // elements per lane vector (16 bytes)
     constexpr int EPC = 4 * EPV;                 // elements per warp chunk (64 bytes per row)
-    constexpr int U = 2;                         // chunks per round (weight loads in flight)
+    constexpr int U = MT * NW >= 8 ? 1 : 2;      // chunks per round (registers: two rounds live)
     __shared__ float red[GEMVQ_WARPS][MT * NW * 4][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gq = lane >> 2, cq = lane & 3;
@@ -379,21 +379,28 @@ __device__ __forceinline__ void gemmq(const __nv_bfloat16* x, long long x_ld, co
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[i][t][e] = 0.f;
 
-    bool waited = false;
+    // software pipeline: the next round's weight loads are issued before this round's math, so
+    // every warp keeps a round in flight while it computes (the loads are volatile: they stay
+    // ahead of the mma in program order)
+    uint4 wv[U][NW];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int t = 0; t < NW; ++t) {
+            const int ch = slice + u * ksplit;
+            wv[u][t] = ldg16_w(wrow[t] + static_cast<long long>(ch < chunks ? ch : 0) * 64, ch < chunks);
+        }
+    mt::pdl_wait();
+    mt::pdl_after_wait();
     for (int c0 = slice; c0 < chunks; c0 += ksplit * U) {
-        uint4 wv[U][NW];
+        uint4 nx[U][NW];
 #pragma unroll
         for (int u = 0; u < U; ++u)
 #pragma unroll
             for (int t = 0; t < NW; ++t) {
-                const int ch = c0 + u * ksplit;
-                wv[u][t] = ldg16_w(wrow[t] + static_cast<long long>(ch < chunks ? ch : 0) * 64, ch < chunks);
+                const int ch = c0 + (U + u) * ksplit;
+                nx[u][t] = ldg16_w(wrow[t] + static_cast<long long>(ch < chunks ? ch : 0) * 64, ch < chunks);
             }
-        if (!waited) {
-            mt::pdl_wait();
-            mt::pdl_after_wait();
-            waited = true;
-        }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int ch = c0 + u * ksplit;
@@ -482,10 +489,10 @@ __device__ __forceinline__ void gemmq(const __nv_bfloat16* x, long long x_ld, co
                 }
             }
         }
-    }
-    if (!waited) {
-        mt::pdl_wait();
-        mt::pdl_after_wait();
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int t = 0; t < NW; ++t) wv[u][t] = nx[u][t];
     }
     if (ks_log2 > 0) {
         if (slice != 0) {
