@@ -625,3 +625,37 @@ extern "C" __global__ void __launch_bounds__(256) dequant_nvfp4_bf16(
     dequant<true>(w, w_ld, s, s_ld, s_rlog2, s_clog2, g, out, n, k);
     mt::pdl_exit();
 }
+
+// Dynamic activation quantization for the W8A8 FP8 GEMM (prefill rows of block-FP8 weights):
+// q[m, k] e4m3 and qs[m, k / 128] fp32 with x[r, c] ~ q[r, c] * qs[r, c / 128]: per row and
+// 128 columns, qs = max|x| / 448 (1 where the block is all zeros), q = x / qs rounded to
+// nearest, saturating (the DeepSeek-V3 / transformers fine-grained FP8 activation scheme).
+// qs row-major [m, k / 128] is the column-major [k / 128, m] tensor cuBLASLt's VEC128_32F
+// scale mode reads for the activation operand (gemm/fp8_lt.py).
+// One warp per (row, block): lane l quantizes elements 4l .. 4l + 3. k % 128 == 0, x rows
+// 16-byte aligned (x_ld % 8 == 0). Bytes: m*k*2 read, m*k + m*k/32 written.
+extern "C" __global__ void __launch_bounds__(256) quant_act_fp8(const __nv_bfloat16* x, long long x_ld,
+                                                                 uint8_t* q, float* qs, int m, int k) {
+    mt::pdl_wait();
+    mt::pdl_after_wait();
+    const int lane = threadIdx.x & 31;
+    const int blocks = k / 128;
+    const long long item = static_cast<long long>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (item >= static_cast<long long>(m) * blocks) {
+        mt::pdl_exit();
+        return;
+    }
+    const int row = static_cast<int>(item / blocks), blk = static_cast<int>(item % blocks);
+    const long long col = 128LL * blk + 4 * lane;
+    const uint2 raw = *reinterpret_cast<const uint2*>(x + row * x_ld + col);
+    const float v[4] = {bf_lo(raw.x), bf_hi(raw.x), bf_lo(raw.y), bf_hi(raw.y)};
+    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+    amax = mt::warp_max(amax);
+    const float sc = amax > 0.f ? amax / 448.f : 1.f;
+    const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(make_float2(v[0] / sc, v[1] / sc), __NV_SATFINITE, __NV_E4M3);
+    const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v[2] / sc, v[3] / sc), __NV_SATFINITE, __NV_E4M3);
+    *reinterpret_cast<uint32_t*>(q + row * static_cast<long long>(k) + col) =
+        static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+    if (lane == 0) qs[static_cast<long long>(row) * blocks + blk] = sc;
+    mt::pdl_exit();
+}

@@ -48,6 +48,10 @@ LEVERS: dict[str, Lever] = {lv.name: lv for lv in (
           "directory of the .cu sources; empty = kernels_cuda/ of this checkout"),
     Lever("METRALE_CUBLAS", str, "", "metrale/backends/cuda/gemm/cublas.py",
           "path of libcublas to load; empty = the nvidia pip package, cupy's or the toolkit's"),
+    Lever("METRALE_FP8_W8A8", str, "1", "metrale/backends/cuda/gemm/quant.py",
+          "1: block-FP8 weights (128 x 128 scales) multiply prefill rows (> 64) as W8A8 on FP8 "
+          "tensor cores, activations quantized per row and 128 columns; 0: they dequantise into "
+          "bf16 for those rows (weight-only, the CPU backend's numerics)"),
     Lever("METRALE_GEMM_TUNE", str, "1", "metrale/backends/cuda/gemm/__init__.py",
           "1 = linear GEMMs through cuBLASLt, each decode-sized shape autotuned once (outside "
           "graph capture) over the heuristic's algorithms and cublasGemmEx; 0 = plain "

@@ -176,3 +176,43 @@ def test_moe_experts_are_refused_clearly(ops):
     experts = concat_rows([nvfp4_tensor(rng, 64, 64)[None], nvfp4_tensor(rng, 64, 64)[None]])
     with pytest.raises(CheckpointError, match="MoE expert weights.*--device cpu"):
         ops.asarray(experts)
+
+
+def _w8a8_reference(x, qt) -> np.ndarray:
+    """x quantized as kernels_cuda/gemv_quant.cu quant_act_fp8 does (per row and 128 columns,
+    scale max|x| / 448, e4m3 round to nearest), times the dequantised weight, in fp32."""
+    xf = np.asarray(x, F32)
+    m, k = xf.shape
+    blocks = xf.reshape(m, k // 128, 128)
+    scale = np.abs(blocks).max(-1, keepdims=True) / F32(448)
+    scale[scale == 0] = 1
+    xq = (blocks / scale).astype(E4M3).astype(F32) * scale
+    return xq.reshape(m, k) @ qt.dequantize().astype(F32).T
+
+
+@pytest.mark.parametrize("rows", [65, 300, 2048])
+def test_block_fp8_prefill_runs_w8a8_with_the_checkpoint_scales(ops, cp, rows, monkeypatch):
+    """Prefill rows of a 128 x 128 block-FP8 weight: cuBLASLt's block-scaled FP8 matmul against
+    the same product computed in numpy from the quantized x (bf16 output rounding: <= 1e-2;
+    a transposed or misread scale table is off by ~1), and within e4m3's activation rounding
+    (<= 6e-2) of the weight-only spec; with METRALE_FP8_W8A8=0 the dequantise path (<= 1e-2)."""
+    from metrale.backends.cuda.gemm import quant as q
+
+    rng = np.random.default_rng(rows)
+    n, k = 1100, 1024
+    qt = fp8_tensor(rng, n, k, (128, 128))
+    w = ops.asarray(qt)
+    assert q.w8a8_applies(w)
+    x = (rng.standard_normal((rows, k)) * rng.uniform(0.1, 10, (rows, 1))).astype(BF16)
+    y = cp.asnumpy(ops.linear(cp.asarray(x), w)).astype(F32)
+    assert rel(y, _w8a8_reference(x, qt)) <= 1e-2
+    spec = reference(x, qt)
+    err_spec = rel(y, spec)
+    assert err_spec <= 6e-2
+    y32 = cp.asnumpy(ops.lm_head(cp.asarray(x), w))
+    assert y32.dtype == F32 and rel(y32, _w8a8_reference(x, qt)) <= 1e-3
+    monkeypatch.setenv("METRALE_FP8_W8A8", "0")
+    assert not q.w8a8_applies(w)
+    y_wo = cp.asnumpy(ops.linear(cp.asarray(x), w)).astype(F32)
+    assert rel(y_wo, spec) <= 1e-2
+    print(f"\nrows={rows}: W8A8 vs weight-only spec {err_spec:.2e}, dequantised path {rel(y_wo, spec):.2e}")

@@ -7,9 +7,12 @@ dequantised. `linear` runs y = x @ dequant(w)^T:
   * steps of at most QUANT_GEMV_MAX_ROWS rows (decode): the weight-only GEMVs of gemv_quant.cu
     (gemvq_<fp8|nvfp4>_t<T>_r<R>), in chunks of 8 rows, streaming the packed bytes. Each config
     (R, k split) is timed once per shape on its first eager call (tune_once);
-  * larger steps (prefill): the weight dequantised into one bf16 scratch buffer (dequant_*_bf16,
+  * larger steps (prefill), block-FP8 weights (128 x 128 scales): W8A8 on FP8 tensor cores
+    (gemm/fp8_lt.py: x quantized per row and 128 columns by quant_act_fp8, cuBLASLt's block-
+    scaled FP8 matmul); METRALE_FP8_W8A8=0 turns it off;
+  * other prefill steps: the weight dequantised into one bf16 scratch buffer (dequant_*_bf16,
     the weight's bytes read once and n*k*2 written), then the bf16 cuBLAS(Lt) GEMM of
-    gemm.linear. At M >= 2048 the dequantisation is a few % of the GEMM.
+    gemm.linear.
 
 StackedParts (quantized rows beside bf16 rows, or parts of different scale layouts) become a
 `PartsWeight`: each part writes its own columns of one output.
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from metrale import levers
 from metrale.backends.cuda.kernels import declare
 from metrale.backends.cuda.layout import BF16, F32
 from metrale.models.checkpoint import CheckpointError
@@ -45,6 +49,7 @@ declare("gemv_quant", "gemvq_{}_t{}_r{}", _GEMVQ_ARGS)          # y bf16
 declare("gemv_quant", "gemvq_{}_t{}_r{}_f32", _GEMVQ_ARGS)      # y fp32
 declare("gemv_quant", "gemmq_{}_m{}_w{}", _GEMVQ_ARGS)          # y bf16
 declare("gemv_quant", "gemmq_{}_m{}_w{}_f32", _GEMVQ_ARGS)      # y fp32
+declare("gemv_quant", "quant_act_fp8", "const bf16* x, long long x_ld, uint8_t* q, float* qs, int m, int k")
 declare("gemv_quant", "dequant_{}_bf16",
         "const uint8_t* w, long long w_ld, const void* s, long long s_ld, int s_rlog2, int s_clog2, "
         "const float* g, bf16* out, int n, int k")
@@ -266,6 +271,36 @@ def dequantize(ops, w: QWeight):
     return out
 
 
+def w8a8_applies(w: QWeight) -> bool:
+    """Block-FP8 weights the W8A8 path multiplies (128 x 128 scale blocks, k % 128 == 0)."""
+    return (w.format == "fp8" and w.s_rlog2 == 7 and w.s_clog2 == 7 and w.shape[1] % 128 == 0
+            and levers.get("METRALE_FP8_W8A8") != "0")
+
+
+def _w8a8_into(ops, x2, x_ld: int, w: QWeight, y, y_ld: int, y_code) -> bool:
+    """y = x2 @ w^T as W8A8 FP8 (see fp8_lt.py); False when cuBLASLt cannot (nothing written)."""
+    from metrale.backends.cuda.gemm import blas
+    from metrale.backends.cuda.gemm.cublaslt import LtGemm
+    from metrale.backends.cuda.gemm.fp8_lt import Fp8BlockLt
+
+    lt = blas(ops)
+    if not isinstance(lt, LtGemm):
+        return False
+    f8 = getattr(ops, "_fp8lt", None)
+    if f8 is None:
+        f8 = ops._fp8lt = Fp8BlockLt(lt)
+    m, k = x2.shape
+    n = w.shape[0]
+    if f8.plan(m, n, k, y_code, y_ld, y.data.ptr) is None:
+        return False
+    x8 = ops.cp.empty((m, k), dtype=np.uint8)
+    xs = ops.cp.empty((m, k // 128), dtype=np.float32)
+    ops.kernel("gemv_quant", "quant_act_fp8")(
+        (-(-m * (k // 128) // 8),), (256,), x=x2, x_ld=x_ld, q=x8, qs=xs, m=m, k=k)
+    return f8.run(ops.stream_ptr, w.data.data.ptr, w.scale.data.ptr, x8.data.ptr, xs.data.ptr, y.data.ptr,
+                  y_ld, m, n, k, y_code)
+
+
 def _part_into(ops, x2, x_ld: int, p, y, y_ld: int, y_code, f32: bool) -> None:
     from metrale.backends.cuda.gemm import GEMM_TYPES, blas
 
@@ -273,6 +308,8 @@ def _part_into(ops, x2, x_ld: int, p, y, y_ld: int, y_code, f32: bool) -> None:
     n = p.shape[0]
     if isinstance(p, QWeight) and t <= (QUANT_MMA_MAX_ROWS if mma_applies(p) else QUANT_GEMV_MAX_ROWS):
         _decode_into(ops, x2, x_ld, p, y, y_ld, f32)
+        return
+    if isinstance(p, QWeight) and w8a8_applies(p) and _w8a8_into(ops, x2, x_ld, p, y, y_ld, y_code):
         return
     wb = dequantize(ops, p) if isinstance(p, QWeight) else p
     if wb.dtype != x2.dtype:
