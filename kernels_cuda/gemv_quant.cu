@@ -627,11 +627,11 @@ extern "C" __global__ void __launch_bounds__(256) dequant_nvfp4_bf16(
 }
 
 // Dynamic activation quantization for the W8A8 FP8 GEMM (prefill rows of block-FP8 weights):
-// q[m, k] e4m3 and qs[m, k / 128] fp32 with x[r, c] ~ q[r, c] * qs[r, c / 128]: per row and
+// q[m, k] e4m3 and qs[k / 128, m] fp32 with x[r, c] ~ q[r, c] * qs[c / 128, r]: per row and
 // 128 columns, qs = max|x| / 448 (1 where the block is all zeros), q = x / qs rounded to
 // nearest, saturating (the DeepSeek-V3 / transformers fine-grained FP8 activation scheme).
-// qs row-major [m, k / 128] is the column-major [k / 128, m] tensor cuBLASLt's VEC128_32F
-// scale mode reads for the activation operand (gemm/fp8_lt.py).
+// qs [k / 128, m] (the rows of one block adjacent) is the table cuBLASLt's VEC128_32F scale
+// mode reads for the activation operand (gemm/fp8_lt.py; measured by perf/fp8_lt_probe.py).
 // One warp per (row, block): lane l quantizes elements 4l .. 4l + 3. k % 128 == 0, x rows
 // 16-byte aligned (x_ld % 8 == 0). Bytes: m*k*2 read, m*k + m*k/32 written.
 extern "C" __global__ void __launch_bounds__(256) quant_act_fp8(const __nv_bfloat16* x, long long x_ld,
@@ -656,6 +656,6 @@ extern "C" __global__ void __launch_bounds__(256) quant_act_fp8(const __nv_bfloa
     const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v[2] / sc, v[3] / sc), __NV_SATFINITE, __NV_E4M3);
     *reinterpret_cast<uint32_t*>(q + row * static_cast<long long>(k) + col) =
         static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-    if (lane == 0) qs[static_cast<long long>(row) * blocks + blk] = sc;
+    if (lane == 0) qs[static_cast<long long>(blk) * m + row] = sc;
     mt::pdl_exit();
 }

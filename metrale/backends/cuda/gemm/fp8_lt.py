@@ -5,8 +5,12 @@ y[m, n] = x[m, k] @ w[n, k]^T with w e4m3 and fp32 scales per 128 x 128 block (t
 fine-grained FP8, the Qwen / DeepSeek FP8 releases) and x quantized on the fly per row and 128
 columns (kernels_cuda/gemv_quant.cu quant_act_fp8: the DeepSeek-V3 activation scheme). In
 cuBLASLt's column-major terms, as gemm/cublaslt.py: D (n x m) = op_T(A) @ B with A = w (k x n,
-scale mode BLK128x128_32F: the checkpoint's own [n / 128, k / 128] table) and B = x (k x m,
-VEC128_32F: [m, k / 128] row-major), fp32 compute, D bf16 (or fp32: an lm head). cuBLASLt reads
+scale mode BLK128x128_32F: the checkpoint's own [n / 128, k / 128] row-major table) and B = x
+(k x m, VEC128_32F: a [k / 128, m] row-major table, the rows of one 128-column block adjacent;
+measured on the H200 with cuBLAS 13.1 by perf/fp8_lt_probe.py: that pairing matches numpy to
+1.3e-4, the other three orders are off by 38-59 %), fp32 compute, D bf16 (or fp32: an lm head).
+The heuristic answers NOT_SUPPORTED until both scale pointers are set, so `prepare` sets them
+first. cuBLASLt reads
 both scale tensors itself; the block-scaled modes are the Hopper ones of cuBLAS 12.9+. Where the
 library lacks them (older cuBLAS, or no algorithm for a shape) `run` returns False and the
 caller dequantises instead.
@@ -58,8 +62,12 @@ class Fp8BlockLt:
                                                             ctypes.sizeof(value)),
                     f"cublasLtMatmulDescSetAttribute({attr})")
 
-    def plan(self, m: int, n: int, k: int, y_code: int, y_ld: int, y_ptr: int):
-        """The algorithm for this shape (cuBLASLt's heuristic #0, cached), or None."""
+    def prepare(self, m: int, n: int, k: int, y_code: int, y_ld: int, y_ptr: int, w_scale_ptr: int,
+                x_scale_ptr: int):
+        """Sets this call's scale pointers; the algorithm for the shape (cuBLASLt's heuristic #0,
+        cached), or None when there is none."""
+        self._set(DESC_A_SCALE_POINTER, ctypes.c_void_p(w_scale_ptr))
+        self._set(DESC_B_SCALE_POINTER, ctypes.c_void_p(x_scale_ptr))
         key = (m, n, k, y_code, y_ld, _align(y_ptr))
         if key in self._algos:
             return self._algos[key]
@@ -94,19 +102,12 @@ class Fp8BlockLt:
         self._algos[key] = plan
         return plan
 
-    def run(self, stream_ptr: int, w_ptr: int, w_scale_ptr: int, x8_ptr: int, x_scale_ptr: int, y_ptr: int,
-            y_ld: int, m: int, n: int, k: int, y_code: int) -> bool:
-        """y = dequant(x8) @ dequant(w)^T (w and x8 256-byte aligned); False (nothing launched)
-        when cuBLASLt cannot."""
-        plan = self.plan(m, n, k, y_code, y_ld, y_ptr)
-        if plan is None:
-            return False
+    def run(self, plan, stream_ptr: int, w_ptr: int, x8_ptr: int, y_ptr: int) -> None:
+        """y = dequant(x8) @ dequant(w)^T with the plan and scale pointers of `prepare` (w and
+        x8 256-byte aligned)."""
         _algo, p_algo, (a_lay, b_lay, d_lay) = plan
-        self._set(DESC_A_SCALE_POINTER, ctypes.c_void_p(w_scale_ptr))
-        self._set(DESC_B_SCALE_POINTER, ctypes.c_void_p(x_scale_ptr))
         self.lt.launch.foreign()
         self._check(self.lib.cublasLtMatmul(
             self.lt.handle, self.desc, ctypes.addressof(self._one), w_ptr, a_lay, x8_ptr, b_lay,
             ctypes.addressof(self._zero), y_ptr, d_lay, y_ptr, d_lay, p_algo, self.lt.workspace_ptr,
             self.lt.workspace_bytes, stream_ptr or None), "cublasLtMatmul(fp8 block-scaled)")
-        return True

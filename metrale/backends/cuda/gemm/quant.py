@@ -291,14 +291,15 @@ def _w8a8_into(ops, x2, x_ld: int, w: QWeight, y, y_ld: int, y_code) -> bool:
         f8 = ops._fp8lt = Fp8BlockLt(lt)
     m, k = x2.shape
     n = w.shape[0]
-    if f8.plan(m, n, k, y_code, y_ld, y.data.ptr) is None:
-        return False
     x8 = ops.cp.empty((m, k), dtype=np.uint8)
-    xs = ops.cp.empty((m, k // 128), dtype=np.float32)
+    xs = ops.cp.empty((k // 128, m), dtype=np.float32)     # per 128-column block, rows adjacent
+    plan = f8.prepare(m, n, k, y_code, y_ld, y.data.ptr, w.scale.data.ptr, xs.data.ptr)
+    if plan is None:
+        return False
     ops.kernel("gemv_quant", "quant_act_fp8")(
         (-(-m * (k // 128) // 8),), (256,), x=x2, x_ld=x_ld, q=x8, qs=xs, m=m, k=k)
-    return f8.run(ops.stream_ptr, w.data.data.ptr, w.scale.data.ptr, x8.data.ptr, xs.data.ptr, y.data.ptr,
-                  y_ld, m, n, k, y_code)
+    f8.run(plan, ops.stream_ptr, w.data.data.ptr, x8.data.ptr, y.data.ptr)
+    return True
 
 
 def _part_into(ops, x2, x_ld: int, p, y, y_ld: int, y_code, f32: bool) -> None:
