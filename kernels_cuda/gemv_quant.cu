@@ -1,3 +1,8 @@
+// FP8 / NVFP4 weights, read packed (launched by metrale/backends/cuda/gemm/quant.py). Sections:
+// the CUDA-core decode GEMVs (gemvq_*, this header), the tensor-core decode GEMMs (gemmq_*, up to
+// 64 rows), the dequantisation into bf16 for prefill (dequant_*), and the activation
+// quantization of the W8A8 block-FP8 prefill GEMM (quant_act_fp8); each has its own header.
+//
 // Decode GEMVs over quantized weights: y[t, n] = x[t, k] @ dequant(w)[n, k]^T for 1-8 rows of
 // bf16 x, fp32 accumulation, weights read packed (never a bf16 copy): the bandwidth win that
 // FP8 and NVFP4 checkpoints exist for. Weight-only: x stays bf16 (the H200 has no FP4 tensor
@@ -558,8 +563,9 @@ MT_GEMMQ_M(4, 4)
 
 // Dequantization into bf16 (prefill: the cuBLAS bf16 GEMM reads the result): out[n, k] row
 // stride k. One thread per 16-byte weight vector (16 fp8 / 32 nvfp4 elements), grid-stride.
-// Exact where the weight is representable in bf16 (always for nvfp4: e2m1 * e4m3 needs 6
-// significant bits; fp8 * an fp32 scale rounds once to bf16 like the CPU spec's bf16 reading).
+// The product code * scale (* global) is computed in fp32 and rounded once to bf16 (exact where
+// it fits in 8 significant bits: e2m1 * e4m3 alone always would; an fp32 scale or global makes it
+// round); tests/test_cuda_quant_gemv.py checks the kernel bit for bit against that rounding.
 // Bytes: the packed weight and scales read once, n*k*2 written. Launched plainly or under PDL:
 // waits before its first load.
 template <bool FP4>

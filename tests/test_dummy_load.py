@@ -69,3 +69,16 @@ def test_dummy_weights_of_a_quantized_folder_come_quantized(quant, fmt, tmp_path
         for out in core.step():
             tokens += out.new_token_ids
     assert len(tokens) == 4
+
+
+def test_dummy_weights_of_other_quantizations_are_refused_clearly(tmp_path):
+    import json
+
+    path = make_tiny("llama", tmp_path)
+    cfg_file = os.path.join(path, "config.json")
+    cfg = json.load(open(cfg_file))
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors"}
+    json.dump(cfg, open(cfg_file, "w"))
+    ckpt = load_checkpoint(path, load_format="dummy")
+    with pytest.raises(CheckpointError, match="dummy weights are synthesised in quant_method 'fp8'"):
+        ckpt.tensor("model.layers.0.self_attn.q_proj.weight", (64, 64))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from metrale.models.checkpoint import Checkpoint
+from metrale.models.checkpoint import Checkpoint, CheckpointError
 
 LOAD_FORMATS = ("auto", "dummy")
 
@@ -84,8 +84,8 @@ def dummy_quant_format(config: dict) -> str | None:
         return "fp8"
     if method == "modelopt" and algo in ("NVFP4", "W4A16_NVFP4"):
         return "nvfp4"
-    raise ValueError(f"dummy weights in quantization {qc!r}: only quant_method 'fp8' (block FP8) and "
-                     f"modelopt NVFP4 are synthesised")
+    raise CheckpointError(f"--load-format dummy of a {method or algo or qc!r} checkpoint: dummy weights "
+                          f"are synthesised in quant_method 'fp8' (block FP8) and modelopt NVFP4 only")
 
 
 def random_quantized(shape, fmt: str, device: str = "cpu", seed: int = 0):
@@ -120,7 +120,7 @@ def random_quantized(shape, fmt: str, device: str = "cpu", seed: int = 0):
             scale = scale.view(E4M3)
         g = xp.full((*lead, n), 0.25, dtype=xp.float32)
         return QuantizedTensor("nvfp4", data, scale, (1, 16), g, "nvfp4 (dummy)")
-    raise ValueError(f"unknown dummy quantization {fmt!r}")
+    raise CheckpointError(f"unknown dummy quantization {fmt!r}")
 
 
 def dummy_from(ckpt: Checkpoint, device: str) -> DummyCheckpoint:

@@ -9,7 +9,9 @@ Storage is bf16 as cupy arrays of dtype `ml_dtypes.bfloat16` (CuPy 14 accepts th
 kernels see the same 2-byte bits as `__nv_bfloat16`). fp32 inputs run the `_f32` twin of each
 elementwise kernel; attention and MoE are bf16 only. Every op is graph-capturable: no host
 syncs, no `.get()`, outputs from `cupy.empty` (the runner captures with a private memory pool),
-cuBLAS through our own handle (gemm/cublas.py). The exception is attention over a batch that is
+cuBLAS through our own handle (gemm/cublas.py). FP8 / NVFP4 checkpoint weights come out of
+`asarray` packed (gemm/quant.py QWeight / PartsWeight), never as a bf16 copy; `linear` takes
+them like any weight. The exception is attention over a batch that is
 not pure decode (prefill / mixed): it builds its work list from the host copy of the batch that
 `upload_batch` keeps, so prefill steps are not captured (unless the step graphs supply lists).
 """
