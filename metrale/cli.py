@@ -4,6 +4,10 @@
     met frontend --engine tcp://H:P      frontend workers only, against a running engine
     met events [--from-seq N]            the event journal from N, then live events (JSON lines)
     met dump-serve-options               every serve flag with its default, and every lever
+    met list                             the shipped recipes (metrale/recipes/*.toml)
+    met show RECIPE                      one recipe's file and the command it runs
+    met run RECIPE [--print] [flags]     `met serve` with the recipe's checkpoint, flags and
+                                         levers (printed first; --print only prints)
     met --version | --help
 
 Defaults: the HTTP server listens on 127.0.0.1 (this machine only); pass `--host 0.0.0.0` to
@@ -238,6 +242,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the journal folder (default ~/.cache/metrale/events)")
     ev.add_argument("--no-follow", action="store_true",
                     help="print the journal and exit instead of tailing")
+    sub.add_parser("list", help="the shipped recipes: name, family, format, checkpoint")
+    sh = sub.add_parser("show", help="a recipe's file and the `met serve` command it runs")
+    sh.add_argument("recipe", metavar="RECIPE", help="a recipe name (`met list`) or a .toml path")
+    rn = sub.add_parser("run", help="serve a recipe: prints the full `met serve` command, then runs it",
+                        usage="met run RECIPE [--print] [serve flags]")
+    rn.add_argument("recipe", metavar="RECIPE", help="a recipe name (`met list`) or a .toml path")
+    rn.add_argument("--print", dest="print_only", action="store_true",
+                    help="print the command and exit (no GPU, no model needed)")
+    rn.add_argument("serve_args", nargs=argparse.REMAINDER,
+                    help="more `met serve` flags, after the recipe's (a later flag wins)")
     sub.add_parser("dump-serve-options", help="every serve flag with its default, and every "
                                               "METRALE_* lever, as JSON")
     return parser
@@ -553,6 +567,50 @@ def _setup_logging() -> None:
     setup_logging()
 
 
+def cmd_list() -> int:
+    from metrale import recipes
+
+    rows = [(r.name, r.family, r.format, r.checkpoint, r.description) for r in recipes.all_recipes()]
+    widths = [max(len(row[i]) for row in rows + [("RECIPE", "FAMILY", "FORMAT", "CHECKPOINT", "")])
+              for i in range(4)]
+    print("  ".join(h.ljust(w) for h, w in zip(("RECIPE", "FAMILY", "FORMAT", "CHECKPOINT"), widths)) + "  DESCRIPTION")
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row[:4], widths)) + "  " + row[4])
+    return 0
+
+
+def cmd_show(args) -> int:
+    from metrale import recipes
+
+    recipe = recipes.load(args.recipe)
+    print(f"# {recipe.path}")
+    print(recipe.path.read_text(encoding="utf-8").rstrip())
+    print(f"\n# runs:\n{recipe.command()}")
+    return 0
+
+
+def cmd_run(args) -> int:
+    """Print the recipe's full `met serve` command, then (unless --print) run it in this process
+    with the recipe's levers set (a lever already set in the environment wins, with a warning)."""
+    from metrale import recipes
+
+    recipe = recipes.load(args.recipe)
+    extra = list(args.serve_args)
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    print_only = args.print_only or "--print" in extra   # `met run RECIPE --print` (after the name)
+    extra = [a for a in extra if a != "--print"]
+    print(recipe.command(extra), flush=True)
+    if print_only:
+        return 0
+    for key, value in recipe.env.items():
+        if key in os.environ and os.environ[key] != str(value):
+            log.warning("%s=%s from the environment overrides the recipe's %s", key, os.environ[key], value)
+            continue
+        os.environ[key] = str(value)
+    return main(["serve", *recipe.serve_argv(), *extra])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -575,12 +633,18 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_events(args)
         if args.command == "dump-serve-options":
             return cmd_dump_serve_options(parser)
+        if args.command == "list":
+            return cmd_list()
+        if args.command == "show":
+            return cmd_show(args)
+        if args.command == "run":
+            return cmd_run(args)
         parser.print_help()
         return 2
     except CLIError as e:
         print(f"met: error: {e}", file=sys.stderr)
         return 2
-    except ValueError as e:   # a lever with a bad value
+    except ValueError as e:   # a lever with a bad value, a refused recipe (RecipeError)
         print(f"met: error: {e}", file=sys.stderr)
         return 2
 
