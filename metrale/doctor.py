@@ -306,7 +306,8 @@ def check_kernel_cache() -> Finding:
         passed, probe = True, "no probe (no usable GPU, no nvcc)"
     facts = f"kernel cache {folder}: {cubin_summary(folder)}"     # after the probe added its own
     if not passed:
-        return fail(f"{facts}; {probe}",
+        verdict = fail if arch else warn     # without a GPU the CPU backend needs no kernels
+        return verdict(f"{facts}; {probe}",
                     "check the CUDA toolkit (nvcc --version) and driver; set METRALE_KERNELS_DIR "
                     "to the repository's kernels_cuda/ if the source is missing")
     return ok(f"{facts}; {probe}")
