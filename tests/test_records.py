@@ -228,6 +228,26 @@ def test_signing_levers_are_declared():
         assert (lever.type, lever.default, lever.reader) == (str, "", "metrale/records.py")
 
 
+def test_the_ladder_stamps_and_signs_what_it_writes(tmp_path, monkeypatch):
+    """perf/ladder.py's write_record, as a run calls it, into a temporary --out."""
+    import argparse
+    import importlib.util
+    monkeypatch.setattr(records, "KEYS_DIR", tmp_path / "keys")
+    monkeypatch.delenv("METRALE_SIGNING_KEY", raising=False)
+    monkeypatch.setenv("METRALE_SIGNING_KEY_FILE", str(tmp_path / "signing.pem"))
+    records.generate_key(tmp_path / "signing.pem")
+    spec = importlib.util.spec_from_file_location("ladder", REPO / "perf" / "ladder.py")
+    ladder = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ladder)
+    args = argparse.Namespace(shape="tiny_llama", weights="bf16", isl=16, osl=8, reps=1,
+                              prefill_graphs="on", out=str(tmp_path / "results"))
+    path = ladder.write_record(args, "ladder", dict(benchmark="ladder_engine_only", device="cpu",
+                                                    rungs=[]))
+    rec = json.loads(path.read_text())
+    assert rec["harness"] == "perf/ladder.py" and rec["device"] == "cpu"
+    assert records.verify(path).ok
+
+
 def test_real_results_verify_as_legacy():
     """This checkout's perf/results: every record unsigned (legacy) or ok; none FAILED."""
     out = run_module("verify", "--all")
