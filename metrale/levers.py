@@ -67,6 +67,13 @@ LEVERS: dict[str, Lever] = {lv.name: lv for lv in (
           "tests only: comma-separated modules the engine process imports before it loads the "
           "model; they add fixture models with metrale.models.registry.register (e.g. "
           "tests.scripted_model); empty = none"),
+    Lever("METRALE_SIGNING_KEY_FILE", str, "", "metrale/records.py",
+          "path of the ed25519 private key (PEM PKCS#8, or the raw 32 bytes) that signs benchmark "
+          "records (perf/results/*.json.sig); refused inside the repository; empty = see "
+          "METRALE_SIGNING_KEY, else records are written unsigned"),
+    Lever("METRALE_SIGNING_KEY", str, "", "metrale/records.py",
+          "base64 of the raw 32-byte ed25519 private key that signs benchmark records (for a "
+          "machine without a key file); set this or METRALE_SIGNING_KEY_FILE, not both"),
     Lever("METRALE_CUDA_POISON", str, "", "metrale/backends/cuda/ops.py",
           "1 = fill every new CUDA op output with NaN first (tests: catches unwritten outputs)"),
 )}

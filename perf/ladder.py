@@ -440,8 +440,9 @@ def main(argv=None) -> int:
 
 
 def write_record(args, prefix: str, record: dict) -> Path:
-    """perf results JSON: commit, date, shape and workload first, then the figures."""
-    from metrale import levers
+    """perf results JSON: commit, date, shape and workload first, then the figures; stamped and
+    signed by metrale.records.finish."""
+    from metrale import levers, records
     record = dict(commit=git_commit(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                   shape=args.shape, model_config=SHAPES[args.shape], dtype="bfloat16",
                   weights=args.weights,
@@ -453,6 +454,7 @@ def write_record(args, prefix: str, record: dict) -> Path:
     tag = "" if args.weights == "bf16" else f"_{args.weights}"
     path = out / f"{prefix}_{args.shape}{tag}_osl{args.osl}_{stamp}.json"
     path.write_text(json.dumps(record, indent=1))
+    records.finish(path, harness=__file__)
     print(f"wrote {path}")
     return path
 

@@ -12,7 +12,8 @@ in_proj q|k|v|z, out_proj, attention q|gate|k|v, o, MLP gate|up, down) with synt
   * M = 16, 32, 64 also down the prefill path (dequantise + bf16 GEMM): where
     QUANT_MMA_MAX_ROWS comes from;
   * M = 512, 2048, 8192 (prefill): TFLOP/s of the dequantise + bf16 GEMM path against bf16.
-Writes perf/results/quant_gemv_<date>_<commit>.json (or --out).
+Writes perf/results/quant_gemv_<date>_<commit>.json (or --out), stamped and signed by
+metrale.records.finish.
 
     python perf/quant_gemv.py [--out DIR] [--quick]
 """
@@ -87,6 +88,7 @@ def graph_time_us(cp, fn, calls: int = 20, reps: int = 5, copies: int = 1) -> fl
 
 def main(argv=None) -> int:
     import cupy as cp
+    from metrale import records
     from metrale.backends.cuda import CudaOps
     from metrale.backends.cuda.gemm import quant as q
     from metrale.models.dummy import _cuda_random, random_quantized
@@ -157,6 +159,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"quant_gemv_{_dt.datetime.now():%Y%m%d_%H%M%S}_{commit()}.json"
     path.write_text(json.dumps(record, indent=1))
+    records.finish(path, harness=__file__)
     print(f"wrote {path}")
     return 0
 
