@@ -5,6 +5,8 @@
     met events [--from-seq N]            the event journal from N, then live events (JSON lines)
     met dump-serve-options               every serve flag with its default, and every lever
     met doctor [--port N] [--json]       checks this machine for what `met serve` needs
+    met verify RECORD... | --all         a benchmark record's signature, key and harness hash
+    met sign RECORD...                   sign records (METRALE_SIGNING_KEY_FILE)
     met list                             the shipped recipes (metrale/recipes/*.toml)
     met show RECIPE                      one recipe's file and the command it runs
     met run RECIPE [--print] [flags]     `met serve` with the recipe's checkpoint, flags and
@@ -243,9 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the journal folder (default ~/.cache/metrale/events)")
     ev.add_argument("--no-follow", action="store_true",
                     help="print the journal and exit instead of tailing")
-    from metrale import doctor
+    from metrale import doctor, records
 
     doctor.register(sub)
+    records.register(sub)
     sub.add_parser("list", help="the shipped recipes: name, family, format, checkpoint")
     sh = sub.add_parser("show", help="a recipe's file and the `met serve` command it runs")
     sh.add_argument("recipe", metavar="RECIPE", help="a recipe name (`met list`) or a .toml path")
@@ -637,6 +640,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_events(args)
         if args.command == "dump-serve-options":
             return cmd_dump_serve_options(parser)
+        if args.command in ("verify", "sign"):
+            from metrale import records
+
+            return records.run(args)
         if args.command == "doctor":
             from metrale import doctor
 
