@@ -414,7 +414,9 @@ def main(argv=None) -> int:
                 for _ in range(args.reps)]
         step = [r["decode_step_p50_ms"] for r in reps if r["decode_step_p50_ms"]]
         ctx = args.isl + args.osl // 2
-        roof_ms = 1e3 * decode_step_bytes(shapes, cfg, conc, ctx, args.weights) / bw if bw else float("nan")
+        # no roofline without a measured copy bandwidth (the CPU backend): null, not NaN
+        # (records are canonical JSON: metrale/records.py refuses NaN)
+        roof_ms = 1e3 * decode_step_bytes(shapes, cfg, conc, ctx, args.weights) / bw if bw else None
         row = dict(concurrency=conc, tok_s=statistics.mean(r["tok_s"] for r in reps),
                    tok_s_reps=[r["tok_s"] for r in reps],
                    ttft_p50_ms=statistics.median(r["ttft_p50_ms"] for r in reps),
@@ -422,11 +424,11 @@ def main(argv=None) -> int:
                    decode_step_p50_ms=statistics.median(step) if step else None,
                    decode_roofline_ms=roof_ms)
         row["step_over_roofline"] = (row["decode_step_p50_ms"] / roof_ms
-                                     if row["decode_step_p50_ms"] else None)
+                                     if row["decode_step_p50_ms"] and roof_ms else None)
         results.append(row)
         print(f"{args.shape} C={conc:4d}  {row['tok_s']:10.1f} tok/s  TTFT p50 "
               f"{row['ttft_p50_ms']:8.1f} ms  ITL p50 {row['itl_p50_ms']:7.2f} ms  step "
-              f"{row['decode_step_p50_ms'] or 0:7.2f} ms  roofline {roof_ms:6.2f} ms", flush=True)
+              f"{row['decode_step_p50_ms'] or 0:7.2f} ms  roofline {roof_ms or float('nan'):6.2f} ms", flush=True)
     params = sum(int(np.prod(s)) for s in shapes.values())
     device = "cpu"
     if args.device == "cuda":
