@@ -214,3 +214,16 @@ def test_wrong_tensor_shape_names_the_tensor(tmp_path):
     tensors = dict(ckpt.tensors, **{name: ckpt.tensors[name][:-1]})
     with pytest.raises(CheckpointError, match="k_proj.weight"):
         build_model(Checkpoint(ckpt.config, tensors, ckpt.path, ckpt.name), CpuOps())
+
+
+@pytest.mark.parametrize("window,refused", [(None, False), (512, False), (4096, False), (256, True)])
+def test_mistral_sliding_window_that_masks_is_refused(tmp_path, window, refused):
+    """max_position_embeddings is 512: a window of at least that never masks (HF's attention is
+    then full attention), a shorter one would, and is refused naming the field."""
+    path = make_tiny("mistral", tmp_path, sliding_window=window)
+    ckpt = load_tiny(path)
+    if refused:
+        with pytest.raises(CheckpointError, match="sliding_window 256"):
+            build_model(ckpt, CpuOps())
+    else:
+        assert build_model(ckpt, CpuOps()).vocab_size == VOCAB

@@ -21,7 +21,7 @@ import numpy as np
 
 from metrale.models.checkpoint import Checkpoint
 
-ARCHS = ("qwen3_5", "qwen3_5_moe", "qwen3", "qwen2", "llama")
+ARCHS = ("qwen3_5", "qwen3_5_moe", "qwen3", "qwen2", "llama", "mistral")
 
 VOCAB = 320
 
@@ -57,6 +57,10 @@ _TEXT_CONFIGS = {
     "qwen3": dict(_COMMON, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
     "qwen2": dict(_COMMON, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
     "llama": dict(_COMMON, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+    # Mistral v0.2+ (no sliding window), with an explicit head_dim unlike hidden / heads
+    # (Mistral-Small's 5120 / 32 heads of 128)
+    "mistral": dict(_COMMON, head_dim=24, sliding_window=None,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
 }
 
 _TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
@@ -74,7 +78,8 @@ def _hf_model(arch: str, text: dict):
         return tf.Qwen3_5MoeForConditionalGeneration(cfg)
     classes = {"qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
                "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
-               "llama": (tf.LlamaConfig, tf.LlamaForCausalLM)}
+               "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+               "mistral": (tf.MistralConfig, tf.MistralForCausalLM)}
     config_cls, model_cls = classes[arch]
     return model_cls(config_cls(**text))
 

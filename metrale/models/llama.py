@@ -1,9 +1,12 @@
-"""Llama, Qwen2 and Qwen3: the plain-attention family (one code path, three flavours).
+"""Llama, Mistral, Qwen2 and Qwen3: the plain-attention family (one code path, four flavours).
 
-    llama  RMSNorm, GQA attention, full rotary (any kind metrale.models.rope supports), SwiGLU;
-           biases on q/k/v/o only when `attention_bias` is set.
-    qwen2  llama + biases on q/k/v (never on o).
-    qwen3  llama + per-head RMSNorm of q and k before rotary (`attention_bias` as llama).
+    llama    RMSNorm, GQA attention, full rotary (any kind metrale.models.rope supports), SwiGLU;
+             biases on q/k/v/o only when `attention_bias` is set.
+    mistral  llama (HF MistralForCausalLM: no biases, an explicit head_dim where set), with a
+             `sliding_window` that is null, or no shorter than max_position_embeddings (then it
+             never masks anything); a window that masks is refused.
+    qwen2    llama + biases on q/k/v (never on o).
+    qwen3    llama + per-head RMSNorm of q and k before rotary (`attention_bias` as llama).
 
 Tensor names follow HF `*ForCausalLM`: model.embed_tokens, model.layers.{i}.self_attn.*,
 model.layers.{i}.mlp.*, model.norm, lm_head (absent when tie_word_embeddings).
@@ -30,8 +33,18 @@ def _biases(model_type: str, config: dict) -> tuple[bool, bool]:
     return flag, flag
 
 
-def refuse_unsupported(config: dict, path: str) -> None:
+def refuse_unsupported(config: dict, path: str, model_type: str = "") -> None:
     """CheckpointError for settings the model code would otherwise silently ignore."""
+    if model_type == "mistral":
+        window, longest = config.get("sliding_window"), config.get("max_position_embeddings")
+        if window is not None and (longest is None or int(window) < int(longest)):
+            raise CheckpointError(
+                f"{path}: config.json sets sliding_window {window} (below max_position_embeddings "
+                f"{longest}): sliding window attention is not supported; only Mistral checkpoints "
+                f"with sliding_window null (v0.2 and later) are")
+        if config.get("attention_bias") or config.get("mlp_bias"):
+            raise CheckpointError(f"{path}: Mistral with attention_bias / mlp_bias is not a "
+                                  f"checkpoint HF's MistralForCausalLM reads; refusing it")
     if config.get("mlp_bias"):
         raise CheckpointError(f"{path}: config.json sets mlp_bias: true; MLP biases are not "
                               f"supported (only attention_bias)")
@@ -69,7 +82,7 @@ def _attention_weights(w: Weights, attention_factor: float, qk_norm: bool) -> We
 def build_llama_family(ckpt: Checkpoint, ops) -> CausalLM:
     config, model_type = ckpt.config, ckpt.model_type
     require_silu(config, ckpt.path)
-    refuse_unsupported(config, ckpt.path)
+    refuse_unsupported(config, ckpt.path, model_type)
     hidden, n_layers = config["hidden_size"], config["num_hidden_layers"]
     shape = AttentionShape(config["num_attention_heads"],
                            config.get("num_key_value_heads") or config["num_attention_heads"],

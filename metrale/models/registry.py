@@ -20,6 +20,7 @@ _BUILDERS: dict[str, Callable[[Checkpoint, object], CausalLM]] = {
     "qwen3": build_llama_family,
     "qwen2": build_llama_family,
     "llama": build_llama_family,
+    "mistral": build_llama_family,
 }
 
 # text-config spellings of the same architectures (a loader that flattens text_config may keep them)
