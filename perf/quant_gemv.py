@@ -30,6 +30,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "perf"))
+
+from ladder import measure_copy_bw  # noqa: E402  (the one copy-bandwidth measurement)
 
 SHAPES = {
     "qwen3_5_9b": {"gdn_in_qkvz": (12288, 4096), "gdn_out": (4096, 4096), "attn_qkv": (10240, 4096),
@@ -46,20 +49,6 @@ def commit() -> str:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
     except Exception:
         return "unknown"
-
-
-def copy_bw(cp) -> float:
-    a = cp.empty(2 ** 30, dtype=cp.uint8)
-    b = cp.empty_like(a)
-    for _ in range(3):
-        b[...] = a
-    s, e = cp.cuda.Event(), cp.cuda.Event()
-    s.record()
-    for _ in range(10):
-        b[...] = a
-    e.record()
-    e.synchronize()
-    return 2 * 2 ** 30 * 10 / (cp.cuda.get_elapsed_time(s, e) / 1e3)
 
 
 def graph_time_us(cp, fn, calls: int = 20, reps: int = 5, copies: int = 1) -> float:
@@ -98,7 +87,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="9B shapes, fewer rows")
     args = ap.parse_args(argv)
     ops = CudaOps()
-    bw = copy_bw(cp)
+    bw = measure_copy_bw()
     dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     decode_rows = (1, 2, 4, 8, 16, 32, 64) if not args.quick else (1, 8, 32)
     prefill_rows = (512, 2048, 8192) if not args.quick else (2048,)
