@@ -82,8 +82,8 @@ VLLM_HINTS = {
     "--max-num-batched-tokens": "Metrale's per-step token budget is --max-prefill-tokens",
     "--enable-chunked-prefill": "prefill is always chunked (budget: --max-prefill-tokens)",
     "--kv-cache-dtype": "the KV cache is bf16 on CUDA and fp32 on the CPU in this build",
-    "--quantization": "bf16 checkpoints only in this build; the format is read from the "
-                      "checkpoint, never from a flag",
+    "--quantization": "the format (bf16, FP8, NVFP4, GGUF) is read from the checkpoint, never "
+                      "from a flag",
     "--trust-remote-code": "no remote code is ever run: the architectures Metrale implements "
                            "load without it",
     "--pipeline-parallel-size": "one engine per GPU; pipeline parallelism is not supported",
