@@ -370,6 +370,13 @@ def check_port_free(host: str, port: int) -> None:
                            "listens there); pass --port N") from None
 
 
+def engine_config_of(args) -> dict:
+    """The EngineConfig fields a parsed `met serve` command line sets (every engine flag)."""
+    config = {name: getattr(args, name) for name, _, _ in ENGINE_FLAGS.values()}
+    config.update({name: getattr(args, name) for name, _ in ENGINE_BOOL_FLAGS.values()})
+    return config
+
+
 def cmd_serve(args) -> int:
     from metrale.engine_server import EngineAddresses, default_journal_dir
     from metrale.engine_process import EngineSpec
@@ -383,8 +390,7 @@ def cmd_serve(args) -> int:
     model = args.model_from_path or args.model or default_model_path()
     if args.model_from_path and not os.path.exists(args.model_from_path):
         raise CLIError(f"--model-from-path {args.model_from_path}: no such file or folder")
-    engine_config = {name: getattr(args, name) for name, _, _ in ENGINE_FLAGS.values()}
-    engine_config.update({name: getattr(args, name) for name, _ in ENGINE_BOOL_FLAGS.values()})
+    engine_config = engine_config_of(args)
     try:
         EngineConfig(**engine_config).validate()
     except ConfigError as e:

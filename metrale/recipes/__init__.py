@@ -26,6 +26,7 @@ model.
 """
 from __future__ import annotations
 
+import functools
 import re
 import shlex
 import tomllib
@@ -174,15 +175,23 @@ def _check_env(recipe: Recipe, text: str) -> None:
             raise RecipeError(recipe.path, line, str(e)) from None
 
 
-def _serve_actions() -> dict:
-    """{--flag: its argparse action} of `met serve` (the one definition of the flags)."""
+@functools.lru_cache(maxsize=1)
+def _serve_parser():
+    """`met serve`'s own parser (the one definition of the flags), built once per process."""
     import argparse
 
-    from metrale.cli import _all_actions, build_parser
+    from metrale.cli import build_parser
 
     parser = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return {opt: action for action in _all_actions(sub.choices["serve"]) for opt in action.option_strings}
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+
+
+@functools.lru_cache(maxsize=1)
+def _serve_actions() -> dict:
+    """{--flag: its argparse action} of `met serve`."""
+    from metrale.cli import _all_actions
+
+    return {opt: action for action in _all_actions(_serve_parser()) for opt in action.option_strings}
 
 
 def _check_serve(recipe: Recipe, text: str) -> None:
@@ -218,14 +227,12 @@ def _check_serve(recipe: Recipe, text: str) -> None:
 
 def _check_engine_config(recipe: Recipe, text: str) -> None:
     """The engine settings together, as `met serve` checks them before it starts anything."""
-    from metrale.cli import ENGINE_BOOL_FLAGS, ENGINE_FLAGS, build_parser
+    from metrale.cli import engine_config_of
     from metrale.config import ConfigError, EngineConfig
 
-    args, _ = build_parser().parse_known_args(["serve", *recipe.serve_argv()])
-    config = {name: getattr(args, name) for name, _, _ in ENGINE_FLAGS.values()}
-    config.update({name: getattr(args, name) for name, _ in ENGINE_BOOL_FLAGS.values()})
+    args, _ = _serve_parser().parse_known_args(recipe.serve_argv())
     try:
-        EngineConfig(**config).validate()
+        EngineConfig(**engine_config_of(args)).validate()
     except ConfigError as e:
         message = str(e)
         key = next((k for k in recipe.serve if f"--{k}" in message or k.replace("-", "_") in message), None)
