@@ -350,24 +350,14 @@ def frontend_spec(args, engine_addresses: dict, tokens: list[str] | None = None)
 
 def check_port_free(host: str, port: int) -> None:
     """Refuse a port something else listens on before anything loads (the frontends would only
-    find out after the model load, and fail in a gunicorn traceback)."""
-    import socket
+    find out after the model load, and fail in a gunicorn traceback). The bind rule is
+    metrale.doctor.bind_problem's (`met doctor` reports the same finding)."""
+    from metrale.doctor import bind_problem
 
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as e:
-        raise CLIError(f"--host {host}: cannot resolve it ({e.strerror})") from None
-    family, kind, proto, _, addr = infos[0]
-    with socket.socket(family, kind, proto) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as gunicorn binds
-        try:
-            s.bind(addr)
-        except PermissionError:
-            raise CLIError(f"--port {port}: binding {host}:{port} is not permitted here "
-                           "(ports below 1024 need privileges); pass --port N") from None
-        except OSError:
-            raise CLIError(f"--port {port}: {host}:{port} is already in use (another server "
-                           "listens there); pass --port N") from None
+    problem = bind_problem(host, port)
+    if problem:
+        what, fix = problem
+        raise CLIError(f"{what}; {fix}")
 
 
 def engine_config_of(args) -> dict:
