@@ -24,7 +24,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+import metrale.backends.cuda.gemm as _gemm     # blas, GEMM_TYPES (this module is imported by it)
 from metrale import levers
+from metrale.backends.cuda.elementwise import bias_add
+from metrale.backends.cuda.gemm.cublaslt import LtGemm, _capturing
+from metrale.backends.cuda.gemm.fp8_lt import Fp8BlockLt
 from metrale.backends.cuda.kernels import declare
 from metrale.backends.cuda.layout import BF16, F32
 from metrale.models.checkpoint import CheckpointError
@@ -217,8 +221,6 @@ def _bucket(nt: int) -> int:
 def _plan(ops, w: QWeight, nt: int, f32: bool, x, x_ld: int, y, y_ld: int, mma: bool):
     """The fastest config for (format, row bucket, shape, output type): timed on the first eager
     call over every candidate (each writes the same y); inside a capture a default until then."""
-    from metrale.backends.cuda.gemm.cublaslt import _capturing
-
     tuned = getattr(ops, "_qtuned", None)
     if tuned is None:
         tuned = ops._qtuned = {}
@@ -245,11 +247,10 @@ def _plan(ops, w: QWeight, nt: int, f32: bool, x, x_ld: int, y, y_ld: int, mma: 
     return best
 
 
-def _decode_into(ops, x2, x_ld: int, w: QWeight, y, y_ld: int, f32: bool) -> None:
+def _decode_into(ops, x2, x_ld: int, w: QWeight, y, y_ld: int, f32: bool, mma: bool) -> None:
     """y[:t, :n] = x2 @ w^T by the decode kernels (y a view with row stride y_ld): one launch
     where the tensor-core kernels apply, else the GEMVs 8 rows at a time."""
     t = x2.shape[0]
-    mma = mma_applies(w)
     step = GEMMQ_MT[-1] * 16 if mma else GEMVQ_T[-1]
     for r0 in range(0, t, step):
         nt = min(step, t - r0)
@@ -279,11 +280,7 @@ def w8a8_applies(w: QWeight) -> bool:
 
 def _w8a8_into(ops, x2, x_ld: int, w: QWeight, y, y_ld: int, y_code) -> bool:
     """y = x2 @ w^T as W8A8 FP8 (see fp8_lt.py); False when cuBLASLt cannot (nothing written)."""
-    from metrale.backends.cuda.gemm import blas
-    from metrale.backends.cuda.gemm.cublaslt import LtGemm
-    from metrale.backends.cuda.gemm.fp8_lt import Fp8BlockLt
-
-    lt = blas(ops)
+    lt = _gemm.blas(ops)
     if not isinstance(lt, LtGemm):
         return False
     f8 = getattr(ops, "_fp8lt", None)
@@ -303,27 +300,23 @@ def _w8a8_into(ops, x2, x_ld: int, w: QWeight, y, y_ld: int, y_code) -> bool:
 
 
 def _part_into(ops, x2, x_ld: int, p, y, y_ld: int, y_code, f32: bool) -> None:
-    from metrale.backends.cuda.gemm import GEMM_TYPES, blas
-
     t, k = x2.shape
     n = p.shape[0]
-    if isinstance(p, QWeight) and t <= (QUANT_MMA_MAX_ROWS if mma_applies(p) else QUANT_GEMV_MAX_ROWS):
-        _decode_into(ops, x2, x_ld, p, y, y_ld, f32)
+    mma = isinstance(p, QWeight) and mma_applies(p)
+    if isinstance(p, QWeight) and t <= (QUANT_MMA_MAX_ROWS if mma else QUANT_GEMV_MAX_ROWS):
+        _decode_into(ops, x2, x_ld, p, y, y_ld, f32, mma)
         return
     if isinstance(p, QWeight) and w8a8_applies(p) and _w8a8_into(ops, x2, x_ld, p, y, y_ld, y_code):
         return
     wb = dequantize(ops, p) if isinstance(p, QWeight) else p
     if wb.dtype != x2.dtype:
         raise TypeError(f"linear: x is {x2.dtype} but a weight part is {wb.dtype}")
-    blas(ops).gemm_rowmajor_xwT(ops.stream_ptr, x2.data.ptr, x_ld, wb.data.ptr, int(wb.strides[0] // wb.itemsize),
-                                y.data.ptr, y_ld, t, n, k, GEMM_TYPES[np.dtype(x2.dtype)], False, y_code)
+    _gemm.blas(ops).gemm_rowmajor_xwT(ops.stream_ptr, x2.data.ptr, x_ld, wb.data.ptr, int(wb.strides[0] // wb.itemsize),
+                                y.data.ptr, y_ld, t, n, k, _gemm.GEMM_TYPES[np.dtype(x2.dtype)], False, y_code)
 
 
 def linear(ops, x, w, bias=None, out_dtype=None):
     """y = x @ dequant(w)^T (+ bias) for a QWeight / PartsWeight: bf16 x, y bf16 or fp32."""
-    from metrale.backends.cuda.elementwise import bias_add
-    from metrale.backends.cuda.gemm import GEMM_TYPES
-
     if np.dtype(x.dtype) != BF16:
         raise TypeError(f"linear over {w.scheme} weights takes bf16 activations, got {x.dtype}")
     y_dtype = np.dtype(BF16 if out_dtype is None else out_dtype)
@@ -342,7 +335,7 @@ def linear(ops, x, w, bias=None, out_dtype=None):
     y = ops._new((t, n_out), y_dtype)
     if t and n_out:
         f32 = y_dtype == F32
-        y_code = GEMM_TYPES[y_dtype]
+        y_code = _gemm.GEMM_TYPES[y_dtype]
         off = 0
         for p in (w.parts if isinstance(w, PartsWeight) else (w,)):
             rows = p.shape[0]
