@@ -72,6 +72,33 @@ def _our_logits(llm, ids):
     return core.ops.to_numpy(out).astype(np.float32)
 
 
+def assert_greedy_agrees_until_a_near_tie(llm, hf, prompt, n: int, label: str) -> None:
+    """n greedy tokens of ours and of HF's `hf` agree until the first near-tie: where they
+    diverge, HF's top-1/top-2 gap must be within our max logit error at that position."""
+    import torch
+
+    from metrale.sampling import SamplingParams
+
+    ours = llm.generate(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0]
+    with torch.no_grad():
+        x = torch.tensor([prompt], device="cuda")
+        ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                          do_sample=False, eos_token_id=None, pad_token_id=None)[0, len(prompt):].tolist()
+    diverge = next((i for i, (a, b) in enumerate(zip(ours.token_ids, ref)) if a != b), None)
+    if diverge is None:
+        print(f"{label}: {n}/{n} greedy tokens identical")
+        return
+    ids = prompt + ref[:diverge]
+    hf_last = _hf_logits(hf, ids)[-1]
+    our_last = _our_logits(llm, ids)[-1]
+    top2 = np.sort(hf_last)[-2:]
+    gap = float(top2[1] - top2[0])
+    tol = float(np.abs(our_last - hf_last).max())
+    print(f"{label}: greedy diverges at token {diverge}/{n}; HF top-1/top-2 gap {gap:.4f}, "
+          f"our max logit error there {tol:.4f}")
+    assert gap <= tol
+
+
 def _llm(path, **kw):
     from metrale.llm import LLM
 
@@ -96,33 +123,12 @@ def test_teacher_forced_logits_match_hf(arch, tmp_path):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_64_tokens_agree_until_a_near_tie(arch, tmp_path):
-    import torch
-
-    from metrale.sampling import SamplingParams
-
     path = _make(arch, tmp_path)
     llm = _llm(path)
     hf = _hf(path)
     rng = np.random.default_rng(1)
     prompt = [int(t) for t in rng.integers(1, 300, 40)]
-    ours = llm.generate(prompt, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))[0]
-    with torch.no_grad():
-        x = torch.tensor([prompt], device="cuda")
-        ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=64,
-                          do_sample=False, eos_token_id=None, pad_token_id=None)[0, 40:].tolist()
-    diverge = next((i for i, (a, b) in enumerate(zip(ours.token_ids, ref)) if a != b), None)
-    if diverge is None:
-        print(f"{arch}: 64/64 greedy tokens identical")
-        return
-    ids = prompt + ref[:diverge]
-    hf_last = _hf_logits(hf, ids)[-1]
-    our_last = _our_logits(llm, ids)[-1]
-    top2 = np.sort(hf_last)[-2:]
-    gap = float(top2[1] - top2[0])
-    tol = float(np.abs(our_last - hf_last).max())
-    print(f"{arch}: greedy diverges at token {diverge}/64; HF top-1/top-2 gap {gap:.4f}, "
-          f"our max logit error there {tol:.4f}")
-    assert gap <= tol
+    assert_greedy_agrees_until_a_near_tie(llm, hf, prompt, 64, arch)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "llama"])

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from tiny_models import make_tiny, quantize_tiny
-from test_gpu_models import GDN_SHAPES, GPU_SHAPES, _hf, _hf_logits, _llm, _our_logits
+from test_gpu_models import (GDN_SHAPES, GPU_SHAPES, _hf, _hf_logits, _llm, _our_logits,
+                             assert_greedy_agrees_until_a_near_tie)
 
 pytestmark = pytest.mark.gpu
 
@@ -69,27 +70,7 @@ def test_teacher_forced_logits_match_hf_on_the_dequantised_checkpoint(arch, fmt,
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("arch", ["qwen3_5", "llama"])
 def test_greedy_decode_agrees_until_a_near_tie(arch, fmt, tmp_path):
-    import torch
-
-    from metrale.sampling import SamplingParams
-
     path = _make(arch, fmt, tmp_path)
-    llm = _llm(path)
-    hf = _hf(f"{path}-dequantised", "float32")
     prompt = [int(t) for t in np.random.default_rng(1).integers(1, 300, 40)]
-    ours = llm.generate(prompt, SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))[0]
-    with torch.no_grad():
-        x = torch.tensor([prompt], device="cuda")
-        ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=48,
-                          do_sample=False, eos_token_id=None, pad_token_id=None)[0, 40:].tolist()
-    diverge = next((i for i, (a, b) in enumerate(zip(ours.token_ids, ref)) if a != b), None)
-    if diverge is None:
-        print(f"{arch} {fmt}: 48/48 greedy tokens identical")
-        return
-    ids = prompt + ref[:diverge]
-    hf_last = _hf_logits(hf, ids)[-1]
-    our_last = _our_logits(llm, ids)[-1]
-    top2 = np.sort(hf_last)[-2:]
-    gap, tol = float(top2[1] - top2[0]), float(np.abs(our_last - hf_last).max())
-    print(f"{arch} {fmt}: greedy diverges at {diverge}/48; HF top-1/2 gap {gap:.4f}, our max error {tol:.4f}")
-    assert gap <= tol
+    assert_greedy_agrees_until_a_near_tie(_llm(path), _hf(f"{path}-dequantised", "float32"), prompt, 48,
+                                          f"{arch} {fmt}")
