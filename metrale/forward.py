@@ -16,6 +16,12 @@ Layouts (T = total new tokens in the step, B = sequences):
     state_slots      int32 [B]      row of the GDN state pool (conv + recurrent) each sequence owns
     logits_indices   int32 [N]      rows of the final hidden states to project to logits
                                     (usually the last new token of each sequence that samples)
+    state_out        int32 [T]      (optional; None in every step but a speculative verify)
+                                    GDN state-pool row that also receives the sequence's state
+                                    (conv window and delta-rule state) as it stands after new
+                                    token t, or -1. A verify step sets it for the window's
+                                    tokens so that any accepted prefix is restorable: the
+                                    working row `state_slots[i]` still ends at the last token
 
 The cached length of sequence i is `seq_lens[i] - (qsl[i+1] - qsl[i])`. When it is 0 the
 sequence starts fresh: attention sees only its new tokens and GDN layers start from a zero state,
@@ -43,6 +49,7 @@ class ForwardBatch:
     state_slots: np.ndarray
     logits_indices: np.ndarray
     block_size: int
+    state_out: np.ndarray | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -142,3 +142,50 @@ def test_causal_conv1d_matches_hf_and_carries_state(length):
     second = ops.causal_conv1d(x[prefix:], w, state, one_seq_batch(length, prefix, 1))
     assert rel_err(np.concatenate([first, second]), ref) <= 1e-6
     np.testing.assert_array_equal(state[1], x[-(kernel - 1):].T)
+
+
+@pytest.mark.parametrize("context_len", [0, 9])
+def test_verify_window_keeps_the_state_after_every_token(context_len):
+    """`batch.state_out` (a speculative verify step): the state after new token j lands in row
+    state_out[j] and equals what j + 1 single-token decode steps leave; the outputs and the
+    working row are the decode steps' too (exactly: the same token-by-token form)."""
+    ops = CpuOps()
+    rng = np.random.default_rng(7 + context_len)
+    L, C = 5, 12
+    q, k, v, a, b = random_inputs(rng, L)
+    g, beta = gates(ops, a, b)
+    x = rng.standard_normal((L, C)).astype(np.float32)
+    w = rng.standard_normal((C, 4)).astype(np.float32)
+    ssm0 = rng.standard_normal((HV, DK, DV)).astype(np.float32)
+    conv0 = rng.standard_normal((C, 3)).astype(np.float32)
+
+    def pools():
+        ssm = rng.standard_normal((12, HV, DK, DV)).astype(np.float32)   # garbage rows
+        conv = rng.standard_normal((12, C, 3)).astype(np.float32)
+        ssm[1], conv[1] = ssm0, conv0
+        return ssm, conv
+
+    ssm, conv = pools()      # reference: one token per step, snapshot after each
+    ref_o, ref_x, ref_ssm, ref_conv = [], [], [], []
+    for j in range(L):
+        batch = one_seq_batch(1, context_len + j, 1)
+        ref_x.append(ops.causal_conv1d(x[j: j + 1], w, conv, batch))
+        ref_o.append(ops.gated_delta_rule(q[j: j + 1], k[j: j + 1], v[j: j + 1], g[j: j + 1],
+                                          beta[j: j + 1], ssm, batch))
+        ref_ssm.append(ssm[1].copy())
+        ref_conv.append(conv[1].copy())
+
+    ssm, conv = pools()
+    batch = one_seq_batch(L, context_len, 1)
+    batch.state_out = np.array([4, -1, 6, 7, 8], np.int32)
+    out_x = ops.causal_conv1d(x, w, conv, batch)
+    out_o = ops.gated_delta_rule(q, k, v, g, beta, ssm, batch)
+    np.testing.assert_array_equal(out_o, np.concatenate(ref_o))
+    np.testing.assert_allclose(out_x, np.concatenate(ref_x), rtol=1e-6, atol=1e-6)
+    for j, row in enumerate(batch.state_out):
+        if row >= 0:
+            np.testing.assert_array_equal(ssm[row], ref_ssm[j])
+            np.testing.assert_array_equal(conv[row], ref_conv[j])
+    np.testing.assert_array_equal(ssm[1], ref_ssm[-1])
+    np.testing.assert_array_equal(conv[1], ref_conv[-1])
+    assert not np.array_equal(ssm[5], ref_ssm[1])     # row -1: nothing written

@@ -279,6 +279,10 @@ class CpuOps:
             n = rows.stop - rows.start
             acc = sum(xs[j: j + n] * w[:, j] for j in range(w.shape[1]))
             out[rows] = _silu(acc)
+            if batch.state_out is not None:     # the window after each new token (verify steps)
+                for j, row in enumerate(batch.state_out[rows]):
+                    if row >= 0:
+                        conv_state[row] = xs[j + 1: j + 1 + km1].T
             conv_state[slot] = xs[xs.shape[0] - km1:].T
         return self._out(out)
 
@@ -304,7 +308,16 @@ class CpuOps:
             state = (ssm_state[slot].astype(F32) if _context_len(batch, i) > 0
                      else np.zeros(ssm_state.shape[1:], F32))
             args = (q[rows], k[rows], v[rows], g[rows], beta[rows])
-            if rows.stop - rows.start == 1:
+            saves = None if batch.state_out is None else batch.state_out[rows]
+            if saves is not None and (saves >= 0).any():
+                # a verify window: token by token (the decode step's own form), keeping the
+                # state after each token whose row asks for it (rounded as the pool stores it)
+                for j, row in enumerate(saves):
+                    one = tuple(np.ascontiguousarray(a[j: j + 1]) for a in args)
+                    out[rows.start + j] = _recurrent_delta_rule(*one, state)[0]
+                    if row >= 0:
+                        ssm_state[row] = state
+            elif rows.stop - rows.start == 1:
                 out[rows] = _recurrent_delta_rule(*(np.ascontiguousarray(a) for a in args), state)
             else:
                 out[rows], state = _chunked_delta_rule(*args, state)
