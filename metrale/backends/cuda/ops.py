@@ -119,10 +119,12 @@ class CudaOps:
                      "slot_mapping", "state_slots", "logits_indices")
 
     def upload_batch(self, batch: ForwardBatch) -> ForwardBatch:
-        """One pinned staging buffer -> one async H2D copy -> int32 device views. The host batch
-        stays reachable as `.host` (prefill attention builds its work list from it)."""
+        """One pinned staging buffer -> one async H2D copy -> int32 device views (state_out too
+        when the batch has one: a verify step; None stays None). The host batch stays reachable
+        as `.host` (prefill attention builds its work list from it)."""
         cp = self.cp
-        host = [np.ascontiguousarray(getattr(batch, f), dtype=np.int32) for f in self._BATCH_FIELDS]
+        fields = self._BATCH_FIELDS if batch.state_out is None else self._BATCH_FIELDS + ("state_out",)
+        host = [np.ascontiguousarray(getattr(batch, f), dtype=np.int32) for f in fields]
         sizes = [a.size for a in host]
         total = max(1, sum(sizes))
         stage, done = self._staging_buffer(total)
@@ -139,7 +141,7 @@ class CudaOps:
         for a in host:
             views.append(dev[off: off + a.size].reshape(a.shape))
             off += a.size
-        out = ForwardBatch(*views, block_size=batch.block_size)
+        out = ForwardBatch(**dict(zip(fields, views)), block_size=batch.block_size)
         out.host = batch
         return out
 
