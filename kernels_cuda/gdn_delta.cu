@@ -13,21 +13,36 @@
 //   state    f32 [slots, Hv, DK, DV]  row state_slots[i]; read unless the sequence starts fresh
 //                            (context_len == 0: zeros), always written back (in place); or f16 /
 //                            bf16 (kernels *_bf16_sf16 / *_bf16_sbf16: --ssm-h-dtype f16-pool /
-//                            bf16-pool), fp32 inside, rounded once per sequence per step
+//                            bf16-pool), fp32 inside, rounded once per sequence per step (and
+//                            once per state_out save)
 //   o        T  [T, Hv, DV]  contiguous
 //   qsl      i32 [B+1], seq_lens i32 [B], slots i32 [B]
+//   state_out i32 [T] or NULL (recurrent kernels only; ForwardBatch.state_out, a speculative
+//                            verify step): after token t the running fp32 state is also stored
+//                            into row state_out[t] when >= 0 (through st_state4: rounded to a
+//                            16-bit pool there, the running state stays fp32), as the final store
+//                            does. Rows must be rows no sequence of the step works on (not in
+//                            slots). NULL (decode steps, graphs): no saves, one uniform branch
+//                            per token.
 //   Value head h reads key head h / (Hv / Hk).
 //
+// gdn_recurrent_<DK>x<DV>_<T>(q, k, v, sq, sk, sv, g, beta, state, o, qsl, seq_lens, slots,
+//   state_out, Hk, Hv); gdn_chunked_<DK>x<DV>_<T>(the same without state_out).
 // gdn_recurrent_gates_<DK>x<DV>_<T>(q, k, v, sq, sk, sv, a, b, sa, sb, A_log, dt_bias, state, o,
-//   qsl, seq_lens, slots, Hk, Hv): the recurrent kernel taking the raw gate projections a, b
-//   (T [T, Hv], token strides sa / sb: columns of the input projection) and A_log, dt_bias (f32
-//   [Hv]) in place of g, beta; the gates are computed as gdn_gates does (bit-identical to
-//   gdn_gates + gdn_recurrent), saving the gates launch of each GDN layer in a decode step.
+//   qsl, seq_lens, slots, state_out, Hk, Hv): the recurrent kernel taking the raw gate
+//   projections a, b (T [T, Hv], token strides sa / sb: columns of the input projection) and
+//   A_log, dt_bias (f32 [Hv]) in place of g, beta; the gates are computed as gdn_gates does
+//   (bit-identical to gdn_gates + gdn_recurrent), saving the gates launch of each GDN layer in a
+//   decode step. Any number of tokens per sequence: a verify step (state_out given) runs its
+//   windows through it token by token, so each token's output and saved state are those of a
+//   decode step (bit for bit with an fp32 pool; a 16-bit pool rounds between decode steps).
 //
 // Recurrent (decode) kernel: one CTA per (value head, sequence), DK*DV/4 float4 state elements
 // held in registers (16 per thread at 128x128), read once and written once with coalesced 16-byte
 // accesses. Bytes: B*Hv*DK*DV*4*2 (state) + B*(2*Hk*DK + Hv*DV)*2 (q,k,v) + o; FLOPs ~ 8*DK*DV per
 // (token, head). Memory-bound: at 128x128, Hv=48, B=128: 403 MB/layer -> ~95 us at 4.2 TB/s.
+// With state_out: + Hv*DK*DV*sizeof(pool element) written per saved token (at 128x128, Hv=48:
+// 3.1 MB fp32 / 1.6 MB 16-bit per saved token per layer) + T*4 (state_out); no extra FLOPs.
 //
 // Chunked (prefill) kernel: one CTA per (value head, sequence) walking the sequence's chunks of
 // 64 tokens with the state in shared memory (fp32, 64 KB at 128x128; ~210 KB of dynamic shared
@@ -49,7 +64,8 @@ constexpr float L2_EPS = 1e-6f;
 
 // The pooled state between steps: fp32 (default) or 16-bit (--ssm-h-dtype f16-pool /
 // bf16-pool: half the bytes per slot). Inside a step it is always fp32; a 16-bit pool rounds it
-// once per sequence per step (round to nearest), exactly where the CPU backend stores it.
+// once per sequence per step and per state_out save (round to nearest), exactly where the CPU
+// backend stores it.
 __device__ __forceinline__ float4 ld_state4(const float* p, long long i) {
     return reinterpret_cast<const float4*>(p)[i];
 }
@@ -108,7 +124,7 @@ __device__ __forceinline__ void gdn_recurrent(
     long long sq, long long sk, long long sv,
     const float* g, const float* beta, SS* state,
     T* o, const int* qsl, const int* seq_lens,
-    const int* slots, int Hk, int Hv,
+    const int* slots, const int* state_out, int Hk, int Hv,
     const T* ga = nullptr, const T* gb = nullptr, long long sa = 0,
     long long sb = 0, const float* A_log = nullptr,
     const float* dt_bias = nullptr) {
@@ -133,6 +149,8 @@ __device__ __forceinline__ void gdn_recurrent(
         s[r] = ctx > 0 ? ld_state4(S, (rg + r * RG) * CG + cg) : make_float4(0.f, 0.f, 0.f, 0.f);
 
     const float scale = rsqrtf((float)DK);
+    float A_h = 0.f, dt_h = 0.f;  // GATES: this head's A_log, dt_bias (weights), read once
+    if constexpr (GATES) { A_h = A_log[h]; dt_h = dt_bias[h]; }
     for (int t = t0; t < t1; ++t) {
         // q, k, v of this token; norms and q.k through one block reduction.
         float qv = 0.f, kv = 0.f;
@@ -153,7 +171,7 @@ __device__ __forceinline__ void gdn_recurrent(
         const float kq = sqk * rq * rk;
         float decay, b;
         if constexpr (GATES) {
-            decay = expf(gate_g(ga[t * sa + h], A_log[h], dt_bias[h]));
+            decay = expf(gate_g(ga[t * sa + h], A_h, dt_h));
             b = mt::sigmoid(mt::to_f(gb[t * sb + h]));
         } else {
             decay = expf(g[(long long)t * Hv + h]);
@@ -188,6 +206,14 @@ __device__ __forceinline__ void gdn_recurrent(
         for (int r = 0; r < RPT; ++r) {
             const float ki = ks[rg + r * RG];
             s[r].x += ki * d4.x; s[r].y += ki * d4.y; s[r].z += ki * d4.z; s[r].w += ki * d4.w;
+        }
+        if (state_out != nullptr) {  // a verify step: the state after token t into its own row
+            const int row = state_out[t];
+            if (row >= 0) {
+                SS* R = state + ((long long)row * Hv + h) * DK * DV;
+#pragma unroll
+                for (int r = 0; r < RPT; ++r) st_state4(R, (rg + r * RG) * CG + cg, s[r]);
+            }
         }
     }
 #pragma unroll
@@ -463,13 +489,19 @@ __device__ __forceinline__ void gdn_gates(const T* a, const T* b,
         const float *beta, S *state, T *o, const int *qsl, const int *seq_lens,                    \
         const int *slots, int Hk, int Hv
 #define GDN_PASS q, k, v, sq, sk, sv, g, beta, state, o, qsl, seq_lens, slots, Hk, Hv
+// the recurrent kernels: GDN_ARGS with the state_out rows after slots
+#define REC_ARGS(T, S)                                                                             \
+    const T *q, const T *k, const T *v, long long sq, long long sk, long long sv, const float *g, \
+        const float *beta, S *state, T *o, const int *qsl, const int *seq_lens,                    \
+        const int *slots, const int *state_out, int Hk, int Hv
+#define REC_PASS q, k, v, sq, sk, sv, g, beta, state, o, qsl, seq_lens, slots, state_out, Hk, Hv
 
 // NAME: the kernels' suffix: <activations> for an fp32 state pool, <activations>_s<state> for a
 // 16-bit one (gdn_recurrent_128x128_bf16_sf16)
 #define GDN_INST(T, S, NAME, DK, DV)                                                             \
     extern "C" __global__ void __launch_bounds__(RecShape<DK, DV>::NT)                            \
-        gdn_recurrent_##DK##x##DV##_##NAME(GDN_ARGS(T, S)) { mt::pdl_enter();                    \
-        gdn_recurrent<T, DK, DV, false, S>(GDN_PASS);                                            \
+        gdn_recurrent_##DK##x##DV##_##NAME(REC_ARGS(T, S)) { mt::pdl_enter();                    \
+        gdn_recurrent<T, DK, DV, false, S>(REC_PASS);                                            \
         mt::pdl_exit();                                                                          \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(RecShape<DK, DV>::NT)                            \
@@ -477,10 +509,10 @@ __device__ __forceinline__ void gdn_gates(const T* a, const T* b,
             const T* q, const T* k, const T* v, long long sq, long long sk, long long sv,        \
             const T* ga, const T* gb, long long sa, long long sb, const float* A_log,            \
             const float* dt_bias, S* state, T* o, const int* qsl, const int* seq_lens,           \
-            const int* slots, int Hk, int Hv) { mt::pdl_enter();                                 \
+            const int* slots, const int* state_out, int Hk, int Hv) { mt::pdl_enter();           \
         gdn_recurrent<T, DK, DV, true, S>(q, k, v, sq, sk, sv, nullptr, nullptr, state, o, qsl,  \
-                                          seq_lens, slots, Hk, Hv, ga, gb, sa, sb, A_log,        \
-                                          dt_bias);                                              \
+                                          seq_lens, slots, state_out, Hk, Hv, ga, gb, sa, sb,    \
+                                          A_log, dt_bias);                                       \
         mt::pdl_exit();                                                                          \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(CNT, 1)                                          \

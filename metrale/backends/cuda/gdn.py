@@ -8,6 +8,11 @@ the decode path can be captured in a CUDA graph.
 Activations may be bf16 (ml_dtypes.bfloat16 cupy arrays) or fp32: the kernel suffix follows the
 array's item size. Small per-channel weights (conv kernel, A_log, dt_bias, norm weight) are used
 as fp32 copies made once per weight array.
+
+A speculative verify step (`batch.state_out` given) runs the delta rule token by token through
+the recurrent kernels, the decode step's own form and gate computation, so each verified token's
+output and saved state are a decode step's (bit for bit with an fp32 pool); the kernels store
+the state after each token t with state_out[t] >= 0 into that pool row.
 """
 from __future__ import annotations
 
@@ -33,15 +38,16 @@ declare("gdn_conv", "gdn_conv4_{*}", "const T* x, long long sx, const float* w, 
         "const int* seq_lens, const int* slots, int B, int C, int seg")
 declare("gdn_conv", "gated_rms_norm_{}", "const T* x, const T* z, long long zs, int zh, const float* w, T* out, "
         "int rows, int D, float eps")
-_GDN_ARGS = ("const T* q, const T* k, const T* v, long long sq, long long sk, long long sv, const float* g, "
-             "const float* beta, S* state, T* o, const int* qsl, const int* seq_lens, const int* slots, int Hk, "
-             "int Hv")
-declare("gdn_delta", "gdn_recurrent_{}x{}_{*}", _GDN_ARGS)
-declare("gdn_delta", "gdn_chunked_{}x{}_{*}", _GDN_ARGS)
+declare("gdn_delta", "gdn_recurrent_{}x{}_{*}", "const T* q, const T* k, const T* v, long long sq, long long sk, "
+        "long long sv, const float* g, const float* beta, S* state, T* o, const int* qsl, const int* seq_lens, "
+        "const int* slots, const int* state_out, int Hk, int Hv")
+declare("gdn_delta", "gdn_chunked_{}x{}_{*}", "const T* q, const T* k, const T* v, long long sq, long long sk, "
+        "long long sv, const float* g, const float* beta, S* state, T* o, const int* qsl, const int* seq_lens, "
+        "const int* slots, int Hk, int Hv")
 declare("gdn_delta", "gdn_recurrent_gates_{}x{}_{*}", "const T* q, const T* k, const T* v, long long sq, "
         "long long sk, long long sv, const T* ga, const T* gb, long long sa, long long sb, const float* A_log, "
-        "const float* dt_bias, S* state, T* o, const int* qsl, const int* seq_lens, const int* slots, int Hk, "
-        "int Hv")
+        "const float* dt_bias, S* state, T* o, const int* qsl, const int* seq_lens, const int* slots, "
+        "const int* state_out, int Hk, int Hv")
 declare("gdn_delta", "gdn_gates_{}", "const T* a, const T* b, long long sa, long long sb, const float* A_log, "
         "const float* dt_bias, float* g, float* beta, int T_, int Hv")
 
@@ -113,6 +119,17 @@ def _state_kernel_suffix(x, ssm_state) -> str:
 
 def _batch_arrays(batch):
     return (_i32(batch.query_start_loc), _i32(batch.seq_lens), _i32(batch.state_slots))
+
+
+def _state_out(batch, T: int):
+    """batch.state_out as int32 [T] on the device, or None (NULL: no saves; every step but a
+    speculative verify)."""
+    if batch.state_out is None:
+        return None
+    if batch.state_out.shape != (T,):
+        raise ValueError(f"state_out must be int32 [{T}] (one pool row or -1 per new token), "
+                         f"got shape {batch.state_out.shape}")
+    return _i32(batch.state_out)
 
 
 # -- Gated DeltaNet ---------------------------------------------------------------------------
@@ -204,8 +221,9 @@ def _recurrent_block(Dk: int, Dv: int) -> tuple[int]:
 
 def gated_delta_rule(ops, q, k, v, g, beta, ssm_state, batch):
     """The gated delta rule per sequence from/into ssm_state[state_slots[i]] (fp32, or a
-    16-bit pool): the recurrent kernel when every sequence adds one token (decode), the
-    chunked one otherwise."""
+    16-bit pool): the recurrent kernel when every sequence adds one token (decode) or in a
+    verify step (batch.state_out: token by token, saving the state after each token t into
+    ssm_state[state_out[t]] where >= 0), the chunked one otherwise."""
     T, Hk, Dk = q.shape
     _, Hv, Dv = v.shape
     _check_delta_rule(q, v, ssm_state)
@@ -218,10 +236,11 @@ def gated_delta_rule(ops, q, k, v, g, beta, ssm_state, batch):
     beta = cp.ascontiguousarray(beta, dtype=cp.float32)
     q, k, v, sq, sk, sv = _qkv_operands(q, k, v)
     qsl, seq_lens, slots = _batch_arrays(batch)
-    if T == B:   # decode: one token per sequence
+    saves = _state_out(batch, T)
+    if T == B or saves is not None:   # decode (one token per sequence), or a verify step
         fn = _kernel(ops, "gdn_delta.cu", f"gdn_recurrent_{Dk}x{Dv}_{sfx}")
         fn((Hv, B), _recurrent_block(Dk, Dv), q=q, k=k, v=v, sq=sq, sk=sk, sv=sv, g=g, beta=beta,
-           state=ssm_state, o=o, qsl=qsl, seq_lens=seq_lens, slots=slots, Hk=Hk, Hv=Hv)
+           state=ssm_state, o=o, qsl=qsl, seq_lens=seq_lens, slots=slots, state_out=saves, Hk=Hk, Hv=Hv)
     else:
         smem = chunk_smem_bytes(Dk, Dv)
         if smem > SMEM_LIMIT:
@@ -233,15 +252,17 @@ def gated_delta_rule(ops, q, k, v, g, beta, ssm_state, batch):
 
 
 def gated_delta_rule_with_gates(ops, q, k, v, a, b, A_log, dt_bias, ssm_state, batch):
-    """gdn_gates + gated_delta_rule; a decode step (one token per sequence) runs both in one
-    launch (gdn_recurrent_gates_*: the gates computed inside, bit-identical), anything else the
-    two kernels."""
+    """gdn_gates + gated_delta_rule; a decode step (one token per sequence) and a verify step
+    (batch.state_out, any window lengths) run both in one launch (gdn_recurrent_gates_*: the
+    gates computed inside, bit-identical; so a verified token is computed exactly as its decode
+    step would be), anything else the two kernels."""
     from metrale.backends.base import compose_gated_delta_rule_with_gates
 
     T, Hk, Dk = q.shape
     _, Hv, Dv = v.shape
     B = batch.num_seqs
-    if not (T == B and T > 0 and a.dtype == b.dtype == q.dtype and a.shape == b.shape == (T, Hv)):
+    one_launch = T == B or batch.state_out is not None
+    if not (one_launch and T > 0 and a.dtype == b.dtype == q.dtype and a.shape == b.shape == (T, Hv)):
         return compose_gated_delta_rule_with_gates(ops, q, k, v, a, b, A_log, dt_bias, ssm_state, batch)
     _check_delta_rule(q, v, ssm_state)
     o = _empty(ops, (T, Hv, Dv), q.dtype)
@@ -252,12 +273,14 @@ def gated_delta_rule_with_gates(ops, q, k, v, a, b, A_log, dt_bias, ssm_state, b
     fn = _kernel(ops, "gdn_delta.cu", f"gdn_recurrent_gates_{Dk}x{Dv}_{_state_kernel_suffix(q, ssm_state)}")
     fn((Hv, B), _recurrent_block(Dk, Dv),
        q=q, k=k, v=v, sq=sq, sk=sk, sv=sv, ga=a, gb=b, sa=sa, sb=sb, A_log=_f32(A_log), dt_bias=_f32(dt_bias),
-       state=ssm_state, o=o, qsl=qsl, seq_lens=seq_lens, slots=slots, Hk=Hk, Hv=Hv)
+       state=ssm_state, o=o, qsl=qsl, seq_lens=seq_lens, slots=slots, state_out=_state_out(batch, T), Hk=Hk,
+       Hv=Hv)
     return o
 
 
 def recurrent_gated_delta_rule(ops, q, k, v, g, beta, ssm_state, batch):
-    """The recurrent kernel for any batch (token by token); for tests and tiny batches."""
+    """The recurrent kernel for any batch (token by token; honours batch.state_out); for tests
+    and tiny batches."""
     T, Hk, Dk = q.shape
     _, Hv, Dv = v.shape
     o = _empty(ops, (T, Hv, Dv), q.dtype)
@@ -267,7 +290,7 @@ def recurrent_gated_delta_rule(ops, q, k, v, g, beta, ssm_state, batch):
     fn((Hv, batch.num_seqs), _recurrent_block(Dk, Dv),
        q=q, k=k, v=v, sq=sq, sk=sk, sv=sv, g=cp.ascontiguousarray(g, dtype=cp.float32),
        beta=cp.ascontiguousarray(beta, dtype=cp.float32), state=ssm_state, o=o, qsl=qsl, seq_lens=seq_lens,
-       slots=slots, Hk=Hk, Hv=Hv)
+       slots=slots, state_out=_state_out(batch, T), Hk=Hk, Hv=Hv)
     return o
 
 
