@@ -12,7 +12,7 @@ as fp32 copies made once per weight array.
 A speculative verify step (`batch.state_out` given) runs the delta rule token by token through
 the recurrent kernels, the decode step's own form and gate computation, so each verified token's
 output and saved state are a decode step's (bit for bit with an fp32 pool); the kernels store
-the state after each token t with state_out[t] >= 0 into that pool row.
+the state after each token t with state_out[t] >= 0 into that pool row (the conv its window).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ _f32_cache: dict[int, tuple[object, object]] = {}
 # kernels_cuda/gdn_conv.cu and gdn_delta.cu ({} = bf16 | f32 activations; {*} = the state-pool
 # suffix of _state_kernel_suffix; {}x{} = the head dims of GDN_HEAD_DIMS)
 declare("gdn_conv", "gdn_conv4_{*}", "const T* x, long long sx, const float* w, S* state, T* out, const int* qsl, "
-        "const int* seq_lens, const int* slots, int B, int C, int seg")
+        "const int* seq_lens, const int* slots, const int* state_out, int B, int C, int seg")
 declare("gdn_conv", "gated_rms_norm_{}", "const T* x, const T* z, long long zs, int zh, const float* w, T* out, "
         "int rows, int D, float eps")
 declare("gdn_delta", "gdn_recurrent_{}x{}_{*}", "const T* q, const T* k, const T* v, long long sq, long long sk, "
@@ -136,7 +136,8 @@ def _state_out(batch, T: int):
 
 def causal_conv1d(ops, x, weight, conv_state, batch):
     """Depthwise causal conv (K = 4) + SiLU over each sequence's new tokens, continuing from and
-    updating conv_state[state_slots[i]] (zeros when the sequence starts fresh)."""
+    updating conv_state[state_slots[i]] (zeros when the sequence starts fresh); with
+    batch.state_out, also the window after each token t into conv_state[state_out[t]] (>= 0)."""
     T, C = x.shape
     K = weight.shape[-1]
     if K != 4:
@@ -161,7 +162,7 @@ def causal_conv1d(ops, x, weight, conv_state, batch):
     grid = ((C + 127) // 128, T // CONV_SEG + B)
     _kernel(ops, "gdn_conv.cu", f"gdn_conv4_{sfx}")(
         grid, (128,), x=x, sx=sx, w=w, state=conv_state, out=out, qsl=qsl, seq_lens=seq_lens, slots=slots,
-        B=B, C=C, seg=CONV_SEG)
+        state_out=_state_out(batch, T), B=B, C=C, seg=CONV_SEG)
     return out
 
 
