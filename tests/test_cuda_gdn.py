@@ -4,7 +4,8 @@ backend (the executable spec) and HF's torch reference (torch_chunk_gated_delta_
 Inputs are random, batches ragged across chunk boundaries (1, 63, 64, 65, 200 tokens) with and
 without cached context, outputs NaN-poisoned (METRALE_CUDA_POISON=1), the state rows of fresh
 sequences filled with garbage (they must be ignored). bf16 outputs: relative error <= 1e-2;
-fp32 paths and the fp32 state tighter.
+fp32 paths and the fp32 state tighter. Verify steps (ForwardBatch.state_out) are checked against
+the CPU spec and, bit for bit, against the same tokens run as single-token decode steps.
 """
 from __future__ import annotations
 
@@ -350,6 +351,235 @@ def test_gated_delta_rule_empty_sequence(cuda_ops, cpu):
     _run_gdn(cuda_ops["bf16"], cpu, (2, 4, 64, 64), [5, 0, 70], [0, 3, 2], seed=9)
 
 
+# -- speculative verify steps (ForwardBatch.state_out) ----------------------------------------
+# Windows of 1..8 tokens, ragged, one sequence fresh (context 0, garbage in its row); the state
+# after each token lands in a row of its own except every third token's (-1: nothing written).
+# The rows that receive a state start as NaN (a save left out shows as non-finite).
+
+VERIFY_LENS = [3, 6, 8, 1, 2, 5]
+VERIFY_CTXS = [7, 0, 12, 1, 30, 64]
+
+
+def _verify_batch(lens=VERIFY_LENS, ctxs=VERIFY_CTXS):
+    """(batch with state_out, working slots, pool rows): working rows 1, 3, .., 2B-1; token t
+    saves into row 2B+1+t (or -1); the even rows and the rows of -1 tokens are nobody's."""
+    B = len(lens)
+    slots = [2 * i + 1 for i in range(B)]
+    batch = _batch(lens, ctxs, slots)
+    T = batch.num_tokens
+    t = np.arange(T)
+    batch.state_out = np.where(t % 3 == 1, -1, 2 * B + 1 + t).astype(np.int32)
+    return batch, slots, 2 * B + 1 + T
+
+
+def _decode_steps(batch, slots):
+    """The verify window's tokens as single-token decode steps: step j carries token j of each
+    window longer than j -> [(sequences, their token rows in the verify batch, decode batch)]."""
+    qsl, lens = batch.query_start_loc, batch.query_lens
+    steps = []
+    for j in range(int(lens.max())):
+        seqs = [i for i in range(batch.num_seqs) if lens[i] > j]
+        steps.append((seqs, np.array([qsl[i] + j for i in seqs]),
+                      _batch([1] * len(seqs), [int(batch.context_lens[i]) + j for i in seqs],
+                             [slots[i] for i in seqs])))
+    return steps
+
+
+def _bits(a):
+    return np.ascontiguousarray(a).view(np.uint8)
+
+
+def _saved_rows(batch):
+    return sorted(int(r) for r in batch.state_out if r >= 0)
+
+
+def _untouched_rows(batch, slots, nrows):
+    return sorted(set(range(nrows)) - set(_saved_rows(batch)) - set(slots))
+
+
+@pytest.mark.parametrize("dt,state_dt", [("bf16", "bf16"), ("bf16", "f32"), ("f32", "f32")])
+@pytest.mark.parametrize("windows", ["verify", "long"])
+def test_causal_conv1d_verify_window(cuda_ops, cpu, dt, state_dt, windows):
+    """state_out: the window after each token with a row >= 0 lands in that row, equal to the
+    CPU spec's (a window is inputs: exact); rows of -1 tokens and rows nobody owns stay as
+    they were; outputs, working rows and saved windows are bit for bit those of the same tokens
+    run as single-token decode steps. "long": a 130-token window, so threads of later segments
+    (64 tokens each) save too, while the first one still holds the old window."""
+    import cupy as cp
+    ops = cuda_ops[dt]
+    rng = np.random.default_rng(50)
+    C, K = 200, 4
+    batch, slots, nrows = _verify_batch() if windows == "verify" else _verify_batch([3, 130, 1], [7, 0, 12])
+    T = batch.num_tokens
+    x = _round(ops, rng.standard_normal((T, C)))
+    w = _round(ops, rng.standard_normal((C, K)) * 0.5)
+    st_dtype = np.float32 if state_dt == "f32" else ops.dtype
+    state0 = rng.standard_normal((nrows, C, K - 1)).astype(np.float32)
+    _garbage_fresh_rows(state0, batch, rng)
+    state0[_saved_rows(batch)] = np.nan
+    state0 = ops.to_numpy(ops.asarray(state0, dtype=st_dtype)).astype(np.float32)
+
+    ref_state = state0.copy()
+    ref = cpu.causal_conv1d(x, w, ref_state, batch)
+    d_state = ops.asarray(state0, dtype=st_dtype)
+    dw = ops.asarray(w)
+    dev = ops.upload_batch(batch)
+    assert dev.state_out.dtype == np.int32
+    out = ops.causal_conv1d(ops.asarray(x), dw, d_state, dev)
+    cp.cuda.Device().synchronize()
+    got_out = ops.to_numpy(out)
+    assert _rel(got_out, ref) < (1e-2 if dt == "bf16" else 1e-5)
+    got = ops.to_numpy(d_state).astype(np.float32)
+    for t, row in enumerate(batch.state_out):
+        if row >= 0:
+            np.testing.assert_array_equal(got[row], ref_state[row], err_msg=f"window after token {t}")
+    np.testing.assert_array_equal(got[slots], ref_state[slots])
+    untouched = _untouched_rows(batch, slots, nrows)
+    np.testing.assert_array_equal(got[untouched], state0[untouched])
+
+    # the same tokens as decode steps (CUDA): the same bits
+    d_dec = ops.asarray(state0, dtype=st_dtype)
+    dec_out = np.empty_like(got_out)
+    snaps = {}
+    for seqs, rows, b in _decode_steps(batch, slots):
+        dec_out[rows] = ops.to_numpy(ops.causal_conv1d(ops.asarray(x[rows]), dw, d_dec, ops.upload_batch(b)))
+        for i, t in zip(seqs, rows):
+            snaps[int(t)] = ops.to_numpy(d_dec[slots[i]])
+    np.testing.assert_array_equal(_bits(got_out), _bits(dec_out))
+    got_raw = ops.to_numpy(d_state)
+    for t, row in enumerate(batch.state_out):
+        if row >= 0:
+            np.testing.assert_array_equal(_bits(got_raw[row]), _bits(snaps[t]), err_msg=f"token {t}")
+    np.testing.assert_array_equal(_bits(got_raw[slots]), _bits(ops.to_numpy(d_dec)[slots]))
+
+
+# (activations, state pool) -> (output tolerance, state tolerance): the existing tests' bounds
+VERIFY_POOLS = {("bf16", "f32"): (1e-2, 2e-3), ("bf16", "f16"): (1.5e-2, 2e-3),
+                ("bf16", "bf16"): (1.5e-2, 1e-2), ("f32", "f32"): (1e-4, 1e-4)}
+
+
+@pytest.mark.parametrize("gates", [False, True], ids=["g_beta", "fused_gates"])
+@pytest.mark.parametrize("dt,pool", list(VERIFY_POOLS))
+@pytest.mark.parametrize("dims", [(2, 4, 128, 128), (1, 3, 64, 64), (2, 4, 64, 128)])
+def test_gated_delta_rule_verify_window(cuda_ops, cpu, dims, dt, pool, gates):
+    """state_out (a verify step), through gated_delta_rule and the fused-gates kernel: outputs,
+    saved rows and working rows against the CPU spec (token by token, the state rounded only
+    where the pool stores it); rows of -1 tokens and rows nobody owns untouched; and against
+    the same tokens run as single-token decode steps on CUDA: with an fp32 pool every output
+    and every saved row bit for bit (verify rows reproduce decode exactly); with a 16-bit pool,
+    whose decode steps round the state between tokens, the first token of each window."""
+    import cupy as cp
+    import ml_dtypes
+    ops = cuda_ops[dt]
+    tol_o, tol_s = VERIFY_POOLS[(dt, pool)]
+    pool_dt = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}[pool]
+    Hk, Hv, Dk, Dv = dims
+    rng = np.random.default_rng(60 + Dk + Dv + gates)
+    batch, slots, nrows = _verify_batch()
+    T = batch.num_tokens
+    q, k, v, g, beta = _gdn_inputs(ops, rng, T, Hk, Hv, Dk, Dv)
+    # [x | a | y | b] columns, as in the input projection (the fused kernel reads them in place)
+    proj = _round(ops, np.concatenate([rng.standard_normal((T, 3)), rng.standard_normal((T, Hv)) * 2,
+                                       rng.standard_normal((T, 5)), rng.standard_normal((T, Hv))], 1))
+    cols_a, cols_b = slice(3, 3 + Hv), slice(8 + Hv, 8 + 2 * Hv)
+    A_log = rng.uniform(-1, 1, Hv).astype(np.float32)
+    dt_bias = rng.uniform(-1, 1, Hv).astype(np.float32)
+    state0 = (rng.standard_normal((nrows, Hv, Dk, Dv)) * 0.3).astype(pool_dt)
+    _garbage_fresh_rows(state0, batch, rng)
+    state0[_saved_rows(batch)] = np.nan
+
+    def run(rows, b, state):     # rows: the tokens of a decode step (None: the whole batch)
+        pick = (lambda a: a) if rows is None else (lambda a: np.ascontiguousarray(a[rows]))
+        dq, dk, dv = (ops.asarray(pick(a)) for a in (q, k, v))
+        dev = ops.upload_batch(b)
+        if gates:
+            dp = ops.asarray(pick(proj))
+            return ops.gated_delta_rule_with_gates(dq, dk, dv, dp[:, cols_a], dp[:, cols_b], cp.asarray(A_log),
+                                                   cp.asarray(dt_bias), state, dev)
+        return ops.gated_delta_rule(dq, dk, dv, cp.asarray(pick(g)), cp.asarray(pick(beta)), state, dev)
+
+    ref_state = state0.copy()
+    if gates:
+        ref = cpu.gated_delta_rule_with_gates(q, k, v, proj[:, cols_a], proj[:, cols_b], A_log, dt_bias,
+                                              ref_state, batch)
+    else:
+        ref = cpu.gated_delta_rule(q, k, v, g, beta, ref_state, batch)
+    d_state = cp.asarray(state0)
+    out = ops.to_numpy(run(None, batch, d_state))
+    cp.cuda.Device().synchronize()
+    got = d_state.get()
+    assert got.dtype == np.dtype(pool_dt)
+    qsl = batch.query_start_loc
+    for i in range(batch.num_seqs):
+        rows = slice(qsl[i], qsl[i + 1])
+        assert _rel(out[rows].astype(np.float32), ref[rows]) < tol_o, f"seq {i}"
+        assert _rel(got[slots[i]].astype(np.float32), ref_state[slots[i]].astype(np.float32)) < tol_s, i
+    for t, row in enumerate(batch.state_out):
+        if row >= 0:
+            assert _rel(got[row].astype(np.float32), ref_state[row].astype(np.float32)) < tol_s, f"token {t}"
+    untouched = _untouched_rows(batch, slots, nrows)
+    np.testing.assert_array_equal(_bits(got[untouched]), _bits(state0[untouched]))
+
+    # the same tokens as decode steps on CUDA
+    d_dec = cp.asarray(state0)
+    dec_out = np.empty_like(out)
+    snaps = {}
+    for seqs, rows, b in _decode_steps(batch, slots):
+        dec_out[rows] = ops.to_numpy(run(rows, b, d_dec))
+        for i, t in zip(seqs, rows):
+            snaps[int(t)] = d_dec[slots[i]].get()
+    exact = [int(qsl[i]) for i in range(batch.num_seqs)] if pool != "f32" else range(T)
+    for t in exact:
+        np.testing.assert_array_equal(_bits(out[t]), _bits(dec_out[t]), err_msg=f"output of token {t}")
+        if batch.state_out[t] >= 0:
+            np.testing.assert_array_equal(_bits(got[batch.state_out[t]]), _bits(snaps[t]), err_msg=f"token {t}")
+    if pool == "f32":
+        np.testing.assert_array_equal(_bits(got[slots]), _bits(d_dec.get()[slots]))
+
+
+def test_state_out_of_minus_ones_is_a_plain_decode(cuda_ops):
+    """A decode batch with state_out all -1 runs the kernels' save branch and saves nothing:
+    outputs and pools bit for bit those of state_out None (the decode graphs' NULL)."""
+    import cupy as cp
+    ops = cuda_ops["bf16"]
+    rng = np.random.default_rng(70)
+    Hk, Hv, Dk, Dv, C = 2, 4, 128, 128, 64
+    lens, ctxs, slots = [1] * 5, [4, 0, 9, 1, 30], [1, 3, 5, 7, 9]
+    plain = _batch(lens, ctxs, slots)
+    marked = _batch(lens, ctxs, slots)
+    marked.state_out = np.full(5, -1, np.int32)
+    q, k, v, _, _ = _gdn_inputs(ops, rng, 5, Hk, Hv, Dk, Dv)
+    ab = _round(ops, rng.standard_normal((5, 2 * Hv)))
+    x = _round(ops, rng.standard_normal((5, C)))
+    w = ops.asarray(rng.standard_normal((C, 4)) * 0.5)
+    ssm0 = (rng.standard_normal((11, Hv, Dk, Dv)) * 0.3).astype(np.float32)
+    conv0 = rng.standard_normal((11, C, 3)).astype(np.float32)
+    results = []
+    for b in (plain, marked):
+        ssm, conv = cp.asarray(ssm0), ops.asarray(conv0)
+        dab = ops.asarray(ab)
+        o = ops.gated_delta_rule_with_gates(ops.asarray(q), ops.asarray(k), ops.asarray(v), dab[:, :Hv],
+                                            dab[:, Hv:], cp.zeros(Hv, cp.float32), cp.zeros(Hv, cp.float32),
+                                            ssm, ops.upload_batch(b))
+        xo = ops.causal_conv1d(ops.asarray(x), w, conv, ops.upload_batch(b))
+        results.append([_bits(ops.to_numpy(a)) for a in (o, xo, ssm, conv)])
+    for a, b, what in zip(*results, ("output", "conv output", "ssm pool", "conv pool")):
+        np.testing.assert_array_equal(a, b, err_msg=what)
+
+
+def test_upload_batch_carries_state_out(cuda_ops):
+    """upload_batch: state_out to the device as int32 in the same staging copy; None stays None."""
+    ops = cuda_ops["bf16"]
+    b = _batch([3, 1], [5, 0], [2, 4])
+    assert ops.upload_batch(b).state_out is None
+    b.state_out = np.array([7, -1, 9, 11], np.int64)
+    dev = ops.upload_batch(b)
+    assert dev.state_out.dtype == np.int32 and dev.state_out.shape == (4,)
+    np.testing.assert_array_equal(ops.to_numpy(dev.state_out), [7, -1, 9, 11])
+    np.testing.assert_array_equal(ops.to_numpy(dev.state_slots), [2, 4])
+    assert dev.host is b
+
+
 # -- MoE ------------------------------------------------------------------------------------
 
 def _route_margin_ok(x, router_w, top_k, eps=3e-2):
@@ -576,6 +806,24 @@ def test_report_decode_bandwidth(cuda_ops):
     print(f"\n[gdn decode] B={B} Hv={Hv} D={D}: {ms * 1e3:.1f} us/call (host launch incl.), "
           f"state traffic {gbps:.0f} GB/s")
     assert np.isfinite(ms)
+    # a verify step: 16 windows of 4 tokens, the state saved after every token (recurrent kernel)
+    Bv, L = 16, 4
+    vq, vk, vv, vg, vbeta = _gdn_inputs(ops, rng, Bv * L, Hk, Hv, D, D)
+    vargs = [ops.asarray(vq), ops.asarray(vk), ops.asarray(vv), cp.asarray(vg), cp.asarray(vbeta)]
+    vbatch = _batch([L] * Bv, [3] * Bv, list(range(Bv)))
+    vbatch.state_out = np.arange(Bv, Bv + Bv * L, dtype=np.int32)
+    vbatch = ops.upload_batch(vbatch)
+    vstate = cp.zeros((Bv + Bv * L, Hv, D, D), cp.float32)
+    ops.gated_delta_rule(*vargs, vstate, vbatch)
+    start.record()
+    for _ in range(n):
+        ops.gated_delta_rule(*vargs, vstate, vbatch)
+    end.record()
+    end.synchronize()
+    ms = cp.cuda.get_elapsed_time(start, end) / n
+    gbps = (Bv * 2 + Bv * L) * Hv * D * D * 4 / (ms * 1e-3) / 1e9
+    print(f"[gdn verify] B={Bv} x {L} tokens, a save per token: {ms * 1e3:.1f} us/call, "
+          f"state traffic {gbps:.0f} GB/s")
     # chunked prefill: one 4096-token sequence
     T = 4096
     q, k, v, g, beta = _gdn_inputs(ops, rng, T, Hk, Hv, D, D)
