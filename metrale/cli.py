@@ -74,6 +74,27 @@ ENGINE_FLAGS = {
     "--seed": ("seed", int, "engine seed for requests without a seed (each draws from (seed, "
                "its admission number)): the same seed repeats a run; default: picked from the OS "
                "at start"),
+    "--num-drafts": ("num_drafts", int, "draft tokens per verify (K = num_drafts + 1 rows), 1..16"),
+    "--draft-confidence-stop": ("draft_confidence_stop", float, "TAU in (0, 1): an MTP chain "
+                                "continues past a draft only while its top-1 probability is >= "
+                                "TAU (emitted tokens unchanged); 0 = off; with --speculative"),
+    "--mtp-quantization": ("mtp_quantization", str, "the MTP head's precision, which must match "
+                           "the checkpoint's: bf16, fp8 or nvfp4"),
+    "--mtp-vocab": ("mtp_vocab", int, "the MTP draft head scores only ids [0, N), clamped to the "
+                    "vocab; 0 = the whole vocab"),
+    "--prompt-lookup-ngram": ("prompt_lookup_ngram", int, "tokens at a sequence's end a copy "
+                              "must find earlier in its context"),
+    "--prompt-lookup-max-drafts": ("prompt_lookup_max_drafts", int, "ceiling of the copy window "
+                                   "(doubles after a fully accepted copy, halves after a broken "
+                                   "one), 1..16; inside a batch a copy is cut to 3 drafts"),
+    "--prompt-lookup-min-match": ("prompt_lookup_min_match", int, "tokens a match must span, "
+                                  "counted back from the sequence's end (at least "
+                                  "--prompt-lookup-ngram)"),
+    "--prompt-lookup-miss-backoff": ("prompt_lookup_miss_backoff", int, "after copies that kept "
+                                     "nothing, skip copying for 1, 2, 4 ... rounds up to this "
+                                     "many; an accepted copied token clears it; 0 never skips"),
+    "--prompt-lookup-max-seqs": ("prompt_lookup_max_seqs", int, "widest batch that proposes "
+                                 "copies"),
 }
 # vLLM flags whose meaning Metrale spells another way: the unknown-flag message names ours.
 # (Spellings whose meaning is identical are accepted as aliases: --max-model-len, --api-key,
@@ -97,6 +118,18 @@ _ALIAS_SPELLINGS = {alias for aliases in ENGINE_FLAG_ALIASES.values() for alias 
 ENGINE_BOOL_FLAGS = {
     "--enable-prefix-caching": ("enable_prefix_caching", "reuse KV of shared prompt prefixes"),
     "--profile": ("profile", "per-kernel sync and timing (slower)"),
+    "--speculative": ("speculative", "speculative decoding with the checkpoint's MTP head "
+                      "(refused without mtp.* tensors unless --prompt-lookup-decoding is on, "
+                      "which then drafts alone)"),
+    "--self-speculative": ("self_speculative", "layer-skipping drafter (no extra weights)"),
+    "--ngram-speculative": ("ngram_speculative", "CPU-side n-gram drafter (any model): the tokens "
+                            "that followed the last earlier occurrence of the context's last 4, "
+                            "3 or 2 tokens"),
+    "--prompt-lookup-decoding": ("prompt_lookup_decoding", "with --speculative: a sequence whose "
+                                 "last --prompt-lookup-ngram tokens occurred earlier in its "
+                                 "context verifies the tokens that followed them"),
+    "--dflash": ("dflash", "DFlash block-diffusion drafting (refused: needs a DFlash draft "
+                 "checkpoint this build cannot load)"),
     "--adaptive-sampling": ("adaptive_sampling", "entropy-gated greedy: a sampled token is the "
                             "argmax when the entropy of its processed distribution (after "
                             "temperature and truncation) is below 0.2 nats, i.e. when the other "

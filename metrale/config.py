@@ -57,6 +57,21 @@ class EngineConfig:
     warmup: str = "auto"                  # startup warm-up: auto (on for cuda) | on | off
     prefill_graphs: str = "on"            # CUDA graphs for prefill / mixed steps too: on | off
     seed: int | None = None               # engine seed for unseeded requests; None = from the OS
+    # speculative decoding (metrale.spec; the operator reference's flags)
+    speculative: bool = False             # MTP drafts (with prompt_lookup_decoding: copies first)
+    num_drafts: int = 1                   # drafts per verify (K = num_drafts + 1 rows)
+    draft_confidence_stop: float = 0.0    # TAU in (0, 1): an MTP chain stops after a draft < TAU
+    mtp_quantization: str = "bf16"        # the MTP head's precision: bf16 | fp8 | nvfp4
+    mtp_vocab: int = 100000               # MTP head scores ids [0, N) (0 = the whole vocab)
+    self_speculative: bool = False        # layer-skipping drafter
+    ngram_speculative: bool = False       # CPU-side n-gram drafter
+    prompt_lookup_decoding: bool = False  # copies of earlier context (needs speculative)
+    prompt_lookup_ngram: int = 4
+    prompt_lookup_max_drafts: int = 8
+    prompt_lookup_min_match: int = 8
+    prompt_lookup_miss_backoff: int = 16
+    prompt_lookup_max_seqs: int = 8
+    dflash: bool = False                  # refused: see _validate_speculation
 
     def validate(self) -> "EngineConfig":
         positive = ("max_seq_len", "max_batch_size", "max_num_seqs", "max_prefill_tokens",
@@ -86,6 +101,7 @@ class EngineConfig:
         if self.request_timeout < 0:
             raise ConfigError("--request-timeout must be >= 0 (0 disables)")
         self._validate_sampling()
+        self._validate_speculation()
         if self.max_batch_size > self.max_num_seqs:
             self.max_num_seqs = self.max_batch_size
         return self
@@ -99,3 +115,46 @@ class EngineConfig:
                               f"{self.default_top_n_sigma}")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
             raise ConfigError(f"--seed must be an integer in [0, 2^63), got {self.seed!r}")
+
+    def _validate_speculation(self) -> None:
+        """The operator reference's rules: --speculative, --self-speculative and
+        --ngram-speculative may be combined (resolved by precedence ngram -> self-spec -> MTP,
+        metrale.spec); --prompt-lookup-decoding requires --speculative and conflicts with
+        --dflash, --self-speculative and --ngram-speculative; --dflash conflicts with
+        --speculative."""
+        if not 1 <= self.num_drafts <= 16:
+            raise ConfigError(f"--num-drafts must be in 1..16, got {self.num_drafts}")
+        if self.draft_confidence_stop and not 0.0 < self.draft_confidence_stop < 1.0:
+            raise ConfigError(f"--draft-confidence-stop must be in (0, 1), got "
+                              f"{self.draft_confidence_stop}")
+        if self.draft_confidence_stop and not self.speculative:
+            raise ConfigError("--draft-confidence-stop needs --speculative (it stops MTP chains)")
+        if self.mtp_quantization not in ("bf16", "fp8", "nvfp4"):
+            raise ConfigError(f"--mtp-quantization must be bf16, fp8 or nvfp4, got "
+                              f"{self.mtp_quantization!r}")
+        if self.mtp_vocab < 0:
+            raise ConfigError(f"--mtp-vocab must be >= 0 (0 = the whole vocab), got {self.mtp_vocab}")
+        if self.dflash:
+            if self.speculative:
+                raise ConfigError("--dflash conflicts with --speculative")
+            raise ConfigError(
+                "--dflash (DFlash: a block-diffusion draft model conditioned on the target's "
+                "hidden states, drafting a block of tokens in one pass) needs a trained DFlash "
+                "draft checkpoint next to the target, which this build cannot load: use "
+                "--speculative (MTP), --prompt-lookup-decoding or --ngram-speculative")
+        if self.prompt_lookup_decoding:
+            if not self.speculative:
+                raise ConfigError("--prompt-lookup-decoding requires --speculative")
+            for flag, on in (("--self-speculative", self.self_speculative),
+                             ("--ngram-speculative", self.ngram_speculative)):
+                if on:
+                    raise ConfigError(f"--prompt-lookup-decoding conflicts with {flag}")
+        if not 1 <= self.prompt_lookup_max_drafts <= 16:
+            raise ConfigError(f"--prompt-lookup-max-drafts must be in 1..16, got "
+                              f"{self.prompt_lookup_max_drafts}")
+        for name in ("prompt_lookup_ngram", "prompt_lookup_min_match", "prompt_lookup_max_seqs"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.prompt_lookup_miss_backoff < 0:
+            raise ConfigError(f"--prompt-lookup-miss-backoff must be >= 0 (0 never skips), got "
+                              f"{self.prompt_lookup_miss_backoff}")

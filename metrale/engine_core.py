@@ -25,6 +25,7 @@ from metrale.request import Request
 from metrale.runner import ModelRunner, SampledToken
 from metrale.sampling import pick_engine_seed
 from metrale.scheduler import Scheduler
+from metrale.spec import make_speculation
 
 log = logging.getLogger("metrale.engine_core")
 
@@ -42,6 +43,9 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    num_verifies: int = 0           # speculative decoding: verify steps, drafts, accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -93,19 +97,23 @@ class EngineCore:
         self.model = build_model(ckpt, self.ops)
         spec = self.model.cache_spec()
         self.hybrid = bool(spec.gdn_layers)
+        self.speculation = make_speculation(self.config, self.model, self.ops.name == "cuda")
         self.ssm_dtype = ssm_pool_dtype(self.config.ssm_h_dtype)
         num_slots = max(1, Scheduler.num_state_slots_needed(self.config, self.hybrid))
-        num_blocks = self._num_kv_blocks(spec, num_slots)
-        # one spare KV block and state row past the scheduler's: padding rows of captured
-        # decode graphs write there
+        # past the scheduler's rows: one spare (padding rows of captured decode graphs write
+        # there), then the GDN verify rows of speculative decoding
+        num_verify = self.speculation.verify_rows if self.speculation and self.hybrid else 0
+        num_blocks = self._num_kv_blocks(spec, num_slots + num_verify)
         self.caches = ModelCaches(spec, self.ops, num_blocks=num_blocks + 1,
                                   block_size=self.config.block_size,
-                                  num_state_slots=num_slots + 1, ssm_dtype=self.ssm_dtype)
+                                  num_state_slots=num_slots + 1 + num_verify,
+                                  ssm_dtype=self.ssm_dtype)
         self.swap = SwapSpace.for_caches(self.caches, self.config.swap_space_gb)
         self._num_blocks, self._num_slots = num_blocks, num_slots
         self.scheduler = self._new_scheduler()
         self.runner = ModelRunner(self.model, self.ops, self.caches, self.config.block_size,
-                                  seed=self.seed)
+                                  seed=self.seed,
+                                  verify_rows=range(num_slots + 1, num_slots + 1 + num_verify))
         self.runner.swap = self.swap
         self.eos_token_ids: frozenset[int] = frozenset()
         self.last_step: StepStats | None = None
@@ -129,8 +137,9 @@ class EngineCore:
         from metrale.backends.cuda.sampling import GpuSampler
 
         cfg = self.config
+        verify = self.speculation.verify_rows if self.speculation else 0
         self.runner.gpu_sampler = GpuSampler(
-            self.ops, self.model.vocab_size, max_batch=cfg.max_batch_size,
+            self.ops, self.model.vocab_size, max_batch=cfg.max_batch_size + verify,
             num_slots=max(cfg.max_batch_size, num_slots), seed=self.seed)
         if cfg.profile:
             log.info("--profile: CUDA graphs off, kernels run eagerly")
@@ -145,17 +154,22 @@ class EngineCore:
                  graphs.pool.total_bytes() / 2**20, "on" if graphs.pdl else "off")
         if cfg.prefill_graphs == "on":
             self._setup_step_graphs(graphs, num_blocks, num_slots)
+        if self.speculation is not None:
+            self._setup_step_graphs(graphs, num_blocks, num_slots, verify=True)
 
-    def _setup_step_graphs(self, decode_graphs, num_blocks: int, num_slots: int) -> None:
+    def _setup_step_graphs(self, decode_graphs, num_blocks: int, num_slots: int,
+                           verify: bool = False) -> None:
         """--prefill-graphs on: capture prefill / mixed steps per token bucket (metrale.backends.cuda.graphs
         StepGraphs) when every layer of the model allows it; out of memory while capturing, they
-        stay off (the steps run eagerly) and the log says so."""
+        stay off (the steps run eagerly) and the log says so. `verify`: the speculative verify
+        steps' graphs (VERIFY_BUCKETS), whatever --prefill-graphs says."""
         from metrale.backends.cuda.graphs import StepGraphs, step_graph_support
 
         cfg = self.config
+        what = "verify" if verify else "prefill"
         why = step_graph_support(self.model)
         if why is not None:
-            log.info("--prefill-graphs: off for this model (%s); prefill steps run eagerly", why)
+            log.info("%s graphs: off for this model (%s); those steps run eagerly", what, why)
             return
         t0 = time.perf_counter()
         oom = None
@@ -163,19 +177,22 @@ class EngineCore:
             steps = StepGraphs(self.model, self.ops, self.caches, cfg.max_prefill_tokens,
                                cfg.max_batch_size, -(-cfg.max_seq_len // cfg.block_size),
                                spare_block=num_blocks, spare_slot=num_slots,
-                               pool=decode_graphs.pool, stream=decode_graphs.stream)
+                               pool=decode_graphs.pool, stream=decode_graphs.stream, verify=verify)
             steps.capture()
         except self.ops.cp.cuda.memory.OutOfMemoryError as e:
             oom = str(e)
         if oom is not None:     # outside the except: its traceback no longer pins the partial capture
             steps = None
             decode_graphs.pool.free_all_blocks()     # what the partial capture held, back to the device
-            log.warning("--prefill-graphs: out of memory while capturing (%s); prefill steps run "
-                        "eagerly (lower --max-prefill-tokens or --gpu-memory-utilization)", oom)
+            log.warning("%s graphs: out of memory while capturing (%s); those steps run "
+                        "eagerly (lower --max-prefill-tokens or --gpu-memory-utilization)", what, oom)
             return
-        self.runner.step_graphs = steps
-        log.info("captured %d prefill graphs (token buckets %s), %.2f s; graph memory pool now "
-                 "%.1f MiB", len(steps.graphs), sorted(steps.graphs), time.perf_counter() - t0,
+        if verify:
+            self.runner.verify_graphs = steps
+        else:
+            self.runner.step_graphs = steps
+        log.info("captured %d %s graphs (token buckets %s), %.2f s; graph memory pool now "
+                 "%.1f MiB", len(steps.graphs), what, sorted(steps.graphs), time.perf_counter() - t0,
                  decode_graphs.pool.total_bytes() / 2**20)
 
     def _new_scheduler(self) -> Scheduler:
@@ -271,6 +288,7 @@ class EngineCore:
         cfg = self.config
         free, total = self.ops.cp.cuda.runtime.memGetInfo()
         state = (num_slots + 1) * spec.state_bytes_per_slot(self.ops.dtype, self.ssm_dtype)
+        # (num_slots counts the verify rows of speculative decoding too)
         budget = int(total * cfg.gpu_memory_utilization) - (total - free) - state \
             - cfg.oom_guard_mb * 2**20
         log.info("GPU memory: %.1f GiB total, %.1f GiB in use (weights), state pool %.1f MiB, "
@@ -310,6 +328,8 @@ class EngineCore:
         if req is None:
             return None
         self.runner.release(request_id)
+        if self.speculation is not None:
+            self.speculation.release(request_id)
         return self._output(req, None)
 
     def has_unfinished(self) -> bool:
@@ -329,8 +349,14 @@ class EngineCore:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         sampled = self.runner.execute(out, on_launch)
-        finished = self.scheduler.update_from_output(
-            out, {rid: s.token_id for rid, s in sampled.items()})
+        emitted = {rid: s.token_ids for rid, s in sampled.items()}
+        before = {s.request.request_id: s.request.num_output_tokens for s in out.seqs} \
+            if out.num_drafts else None
+        finished = self.scheduler.update_from_output(out, emitted)
+        if self.speculation is not None:
+            if out.num_drafts:
+                self.speculation.record(out, emitted)
+            self.speculation.propose(self.scheduler.running)
         seconds = time.perf_counter() - t0
         num_tokens = out.num_new_tokens
         self.last_step = StepStats(len(out.seqs), num_tokens, seconds)
@@ -343,23 +369,39 @@ class EngineCore:
             self.scheduler.observe_step_time(num_tokens, seconds)
         outputs = {}
         for s in out.seqs:
-            tok = sampled.get(s.request.request_id)
+            rid = s.request.request_id
+            tok = sampled.get(rid)
             if tok is not None:
-                outputs[s.request.request_id] = self._output(s.request, tok)
+                outputs[rid] = self._output(
+                    s.request, tok, None if before is None else
+                    s.request.num_output_tokens - before[rid])
         for req in itertools.chain(finished, out.finished):
             self.runner.release(req.request_id)
+            if self.speculation is not None:
+                self.speculation.release(req.request_id)
             if req.request_id not in outputs:
                 outputs[req.request_id] = self._output(req, None)
         return list(outputs.values())
 
     @staticmethod
-    def _output(req: Request, tok: SampledToken | None) -> RequestOutput:
+    def _output(req: Request, tok: SampledToken | None, num_new: int | None = None) -> RequestOutput:
+        """`num_new`: tokens the step appended (a verify emits several; a stop among them
+        cuts the rest); None = `tok` alone."""
+        if tok is None:
+            toks = []
+        elif tok.accepted is None:
+            toks = [tok]
+        else:
+            toks = [*tok.accepted, tok][:num_new]
         return RequestOutput(
             req.request_id,
-            [] if tok is None else [tok.token_id],
-            [tok] if tok is not None and tok.logprob is not None else [],
+            [t.token_id for t in toks],
+            [t for t in toks if t.logprob is not None],
             req.finish_reason if req.is_finished else None,
             req.num_prompt_tokens,
             len(req.output_token_ids),
             req.num_cached_tokens,
+            req.num_verifies,
+            req.num_draft_tokens,
+            req.num_accepted_tokens,
         )

@@ -341,7 +341,7 @@ class EngineServer:
             self.emit("RequestAborted", **record, cause=reason or "abort")
         else:
             self.emit("RequestFinished", **record)
-        requests_log.info(orjson.dumps({
+        line = {
             "model": self.model_info.name, "request_id": out.request_id,
             # when the engine took the request in, as a Unix time (µs): with the client's own
             # send time it separates the frontend's share of a TTFT from the engine's
@@ -350,7 +350,13 @@ class EngineServer:
             "cached_tokens": out.num_cached_tokens,
             "ttft_ms": None if ttft is None else round(ttft * 1000, 2),
             "elapsed_ms": round(elapsed * 1000, 2), "finish_reason": out.finish_reason,
-        }).decode())
+        }
+        if out.num_verifies:    # speculative decoding: what its verifies kept
+            line.update(spec_verifies=out.num_verifies, spec_draft_tokens=out.num_draft_tokens,
+                        spec_accepted_tokens=out.num_accepted_tokens,
+                        spec_mean_accepted_length=round(
+                            (out.num_accepted_tokens + out.num_verifies) / out.num_verifies, 3))
+        requests_log.info(orjson.dumps(line).decode())
 
     # -- control ----------------------------------------------------------------------------
     def _drain_control(self) -> None:

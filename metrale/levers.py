@@ -74,6 +74,14 @@ LEVERS: dict[str, Lever] = {lv.name: lv for lv in (
     Lever("METRALE_SIGNING_KEY", str, "", "metrale/records.py",
           "base64 of the raw 32-byte ed25519 private key that signs benchmark records (for a "
           "machine without a key file); set this or METRALE_SIGNING_KEY_FILE, not both"),
+    Lever("METRALE_SPEC_MAX_BATCH", int, 32, "metrale/spec/__init__.py",
+          "speculative decoding turns itself off while more than this many sequences decode (a "
+          "verify's extra rows cost more than they gain in wide batches); also sizes the GDN "
+          "verify rows of the state pool"),
+    Lever("METRALE_MTP_K_LADDER", str, "", "metrale/spec/__init__.py",
+          "drafts per verify by batch size, BATCH:DRAFTS pairs (e.g. 1:3,2:1,4:2,8:2,16:1): a "
+          "step of B decoding sequences takes the entry of the largest BATCH <= B; empty = "
+          "--num-drafts at every batch size"),
     Lever("METRALE_CUDA_POISON", str, "", "metrale/backends/cuda/ops.py",
           "1 = fill every new CUDA op output with NaN first (tests: catches unwritten outputs)"),
 )}

@@ -31,6 +31,19 @@ class EngineMetrics:
         self.waiting = Gauge("metrale_requests_waiting", "requests queued", registry=r)
         self.kv_usage = Gauge("metrale_kv_cache_usage_ratio", "KV blocks in use / total",
                               registry=r)
+        self.spec_verifies = Counter(
+            "metrale_spec_decode_verify", "speculative verifies by drafts verified (k) and outcome "
+            "(all: every draft accepted, partial, none)", ["k", "outcome"], registry=r)
+        self.spec_position = Counter(
+            "metrale_spec_decode_draft_position", "drafts verified at each position of a chain "
+            "(0 = first), accepted or not", ["position", "accepted"], registry=r)
+        self.spec_draft_tokens = Counter("metrale_spec_decode_draft_tokens", "drafts verified",
+                                         registry=r)
+        self.spec_accepted_tokens = Counter("metrale_spec_decode_accepted_tokens",
+                                            "drafts accepted", registry=r)
+        self.spec_mean_accepted = Gauge(
+            "metrale_spec_decode_mean_accepted_length", "tokens a verify emits on average "
+            "(accepted drafts + the target's own), since start", registry=r)
         self._active = 0
 
     def admitted(self, num_prompt_tokens: int) -> None:
@@ -63,6 +76,19 @@ class EngineMetrics:
             self.prefix_hit_rate.set(cache.num_hits / lookups if lookups else 0.0)
         pool = sched.block_pool
         self.kv_usage.set(1.0 - pool.num_free_blocks / max(1, pool.num_blocks))
+        spec = getattr(core, "speculation", None)
+        if spec is not None:
+            self._set_spec(spec.stats)
+
+    def _set_spec(self, st) -> None:
+        """Counters follow the engine's totals (the scrape is the only reader)."""
+        for (k, outcome), n in st.verifies.items():
+            self.spec_verifies.labels(k=str(k), outcome=outcome)._value.set(n)
+        for (j, accepted), n in st.position.items():
+            self.spec_position.labels(position=str(j), accepted=str(accepted).lower())._value.set(n)
+        self.spec_draft_tokens._value.set(st.draft_tokens)
+        self.spec_accepted_tokens._value.set(st.accepted_tokens)
+        self.spec_mean_accepted.set(st.mean_accepted_length)
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()

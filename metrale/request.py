@@ -73,6 +73,12 @@ class Request:
     block_ids: list[int] = field(default_factory=list)       # KV blocks, in token order
     block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of full blocks (lazy)
     state_slot: int | None = None                            # GDN working row while running
+    # -- speculative decoding (metrale.spec) ------------------------------------------------------
+    draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next verify
+    num_verifies: int = 0                                    # verify steps this request took
+    num_draft_tokens: int = 0                                # drafts it verified
+    num_accepted_tokens: int = 0                             # of them, accepted
+    last_verify: tuple[int, int] | None = None               # (drafts, accepted) of the last one
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -22,10 +22,20 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    # a speculative verify: the accepted drafts, emitted before this token (None: no verify)
+    accepted: list["SampledToken"] | None = None
+
+    @property
+    def token_ids(self) -> int | list[int]:
+        """What the scheduler appends: this token, or the accepted drafts then it."""
+        if self.accepted is None:
+            return self.token_id
+        return [*(t.token_id for t in self.accepted), self.token_id]
 
 
 class ModelRunner:
-    def __init__(self, model, ops, caches, block_size: int, seed: int = 0):
+    def __init__(self, model, ops, caches, block_size: int, seed: int = 0,
+                 verify_rows: range = range(0)):
         self.model = model
         self.ops = ops
         self.caches = caches
@@ -37,8 +47,12 @@ class ModelRunner:
         self.swap = None            # metrale.cache.swap.SwapSpace when --swap-space-gb > 0
         self.graphs = None          # metrale.backends.cuda.graphs.DecodeGraphs on the CUDA backend
         self.step_graphs = None     # metrale.backends.cuda.graphs.StepGraphs (--prefill-graphs on)
+        self.verify_graphs = None   # StepGraphs(verify=True): speculative verify steps
         self.gpu_sampler = None     # metrale.backends.cuda.sampling.GpuSampler on CUDA
         self._sampler_slot: dict[str, int] = {}
+        # GDN state-pool rows a verify step keeps its window's states in (metrale.spec)
+        self.verify_rows = verify_rows
+        self.hybrid = caches is not None and bool(caches.spec.gdn_layers)
 
     # -- per-request state ----------------------------------------------------------------
     def admit(self, request) -> None:
@@ -105,6 +119,8 @@ class ModelRunner:
         if not seqs:
             hook()
             return {}
+        if out.num_drafts:
+            return self._execute_verify(out, hook)
         # a decode step replays its captured graph, packed straight from the ScheduledSeqs;
         # with --prefill-graphs any other step that fits a token bucket replays one too
         logits = self.graphs.run_decode(seqs) if self.graphs is not None else None
@@ -133,6 +149,119 @@ class ModelRunner:
             sampled = self._sample(self.ops.to_numpy(logits), requests)
         force_thinking_close(sampled, requests)     # --max-thinking-budget: close </think>
         return sampled
+
+    # -- speculative verify ------------------------------------------------------------------
+    def _execute_verify(self, out, hook) -> dict[str, SampledToken]:
+        """A step with drafts (metrale.spec): eager forward with every row of a verifying
+        sequence projected to logits and its window's GDN states kept; each row sampled as the
+        target would sample it there; the accepted prefix's state restored."""
+        seqs = out.seqs
+        state_out, windows = self._state_out(seqs) if self.hybrid else (None, {})
+        logits = None
+        if self.verify_graphs is not None:
+            logits = self.verify_graphs.run_step(seqs, state_out)
+        if logits is None:
+            hook()
+            hook = _nothing
+            batch = self.build_batch(out)
+            batch.state_out = state_out
+            logits = self.model.forward(self.ops.upload_batch(batch), self.caches)
+        sampling = [s for s in seqs if s.sample]
+        rows = _verify_rows(sampling)
+        if self.gpu_sampler is not None:
+            picks = self._sample_rows_gpu(logits, sampling, rows, hook)
+        else:
+            hook()
+            picks = self._sample_rows(self.ops.to_numpy(logits), rows)
+        sampled, partial = {}, set()
+        at = 0
+        for s in sampling:
+            n = 1 + s.num_drafts
+            mine, at = picks[at: at + n], at + n
+            if not s.num_drafts:
+                sampled[s.request.request_id] = mine[0]
+                continue
+            drafts = s.request.draft_token_ids
+            a = 0
+            while a < s.num_drafts and mine[a].token_id == drafts[a]:
+                a += 1
+            sampled[s.request.request_id] = SampledToken(
+                mine[a].token_id, mine[a].logprob, mine[a].top_logprobs, accepted=mine[:a])
+            if a < s.num_drafts and s.state_slot in windows:
+                # the working row ran to the window's end: back to after the accepted tokens
+                self.caches.copy_state(windows[s.state_slot] + a, s.state_slot)
+                partial.add(s.state_slot)
+        for src, dst in out.state_saves:    # a snapshot is of a window's end: kept whole only
+            if src not in partial:
+                self.caches.copy_state(src, dst)
+        force_thinking_close(sampled, [s.request for s in sampling])
+        return sampled
+
+    def _state_out(self, seqs) -> tuple[np.ndarray, dict[int, int]]:
+        """ForwardBatch.state_out of a verify step: the states after a verifying sequence's
+        rows but its last go to consecutive verify rows. Returns it and {working slot: the
+        sequence's first verify row}."""
+        total = sum(s.num_new_tokens + s.num_drafts for s in seqs)
+        state_out = np.full(total, -1, dtype=np.int32)
+        windows = {}
+        row = self.verify_rows.start
+        end = 0
+        for s in seqs:
+            end += s.num_new_tokens + s.num_drafts
+            if not s.num_drafts:
+                continue
+            if row + s.num_drafts > self.verify_rows.stop:
+                raise RuntimeError(f"a verify step of {sum(x.num_drafts for x in seqs)} drafts "
+                                   f"needs more than the {len(self.verify_rows)} verify rows of "
+                                   "the state pool")
+            state_out[end - 1 - s.num_drafts: end - 1] = np.arange(row, row + s.num_drafts)
+            windows[s.state_slot] = row
+            row += s.num_drafts
+        return state_out, windows
+
+    def _sample_rows(self, logits: np.ndarray, rows) -> list[SampledToken]:
+        """Host sampler over verify rows: (request, tokens before the row) each."""
+        logits = np.asarray(logits, dtype=np.float32)
+        result = self.sampler.sample(
+            logits, [r.sampling_params for r, _ in rows], [self._generator(r) for r, _ in rows],
+            [(r.prompt_token_ids, r.output_token_ids + extra if extra else r.output_token_ids)
+             for r, extra in rows])
+        picks = []
+        for i in range(len(rows)):
+            lp = result.logprobs[i] if result.logprobs is not None else None
+            picks.append(SampledToken(int(result.token_ids[i]), None if lp is None else lp[0],
+                                      None if lp is None else lp[1]))
+        return picks
+
+    def _sample_rows_gpu(self, logits, seqs, rows, before_wait) -> list[SampledToken]:
+        """The device sampler over verify rows: row j of a sequence samples at step
+        (output tokens + j) in the sequence's slot, so its Philox draw is the one decoding
+        would have made there. Verified requests have no penalties (metrale.spec), so the
+        slot's counts are not read."""
+        params, steps, slots, fresh = sample_inputs(seqs, self._sampler_slot)
+        for i in fresh:
+            s = seqs[i]
+            r = s.request
+            if self._sampler_slot.get(r.request_id) != s.state_slot:
+                self.gpu_sampler.begin(s.state_slot, r.prompt_token_ids)
+                self._sampler_slot[r.request_id] = s.state_slot
+        counts = np.array([1 + s.num_drafts for s in seqs])
+        offsets = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
+        row_params = [r.sampling_params for r, _ in rows]
+        want_lp = any(p.logprobs is not None for p in row_params)
+        res = self.gpu_sampler.sample(logits, row_params, np.repeat(steps, counts) + offsets,
+                                      slots=np.repeat(slots, counts), logprobs=want_lp,
+                                      before_wait=before_wait)
+        if not want_lp:
+            return [SampledToken(t) for t in res.tolist()]
+        picks = []
+        for i, p in enumerate(row_params):
+            k = p.logprobs
+            top = None if k is None else [
+                (int(t), float(lp)) for t, lp in zip(res.top_ids[i][:k], res.top_logprobs[i][:k])]
+            picks.append(SampledToken(int(res.tokens[i]),
+                                      None if k is None else float(res.logprobs[i]), top))
+        return picks
 
     def _sample_gpu(self, logits, seqs, before_wait=None) -> dict[str, SampledToken]:
         """Sample on the device (one device->host copy of the chosen ids); penalty counts live
@@ -179,3 +308,16 @@ class ModelRunner:
 
 def _nothing() -> None:
     pass
+
+
+def _verify_rows(seqs) -> list[tuple]:
+    """(request, the drafts before the row) of every logits row of a verify step, in order:
+    one row per sampling sequence, 1 + drafts for a verifying one."""
+    rows = []
+    for s in seqs:
+        r = s.request
+        rows.append((r, []))
+        drafts = r.draft_token_ids
+        for j in range(1, s.num_drafts + 1):
+            rows.append((r, drafts[:j]))
+    return rows

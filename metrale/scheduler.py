@@ -63,6 +63,9 @@ class ScheduledSeq:
     block_table: list[int]  # the request's KV blocks (live list: read it before update_from_output)
     state_slot: int         # working row of the GDN state pool
     sample: bool            # the chunk ends at the request's last known token
+    num_drafts: int = 0     # speculative drafts verified after it (request.draft_token_ids[:n]):
+                            # the sequence then adds num_new_tokens + num_drafts rows, each
+                            # projected to logits
 
 
 @dataclass
@@ -78,7 +81,12 @@ class SchedulerOutput:
 
     @property
     def num_new_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.seqs)
+        """Rows of the step: new tokens plus the drafts verified after them."""
+        return sum(s.num_new_tokens + s.num_drafts for s in self.seqs)
+
+    @property
+    def num_drafts(self) -> int:
+        return sum(s.num_drafts for s in self.seqs)
 
 
 class StateSlotPool:
@@ -301,7 +309,8 @@ class Scheduler:
         self._expire(now, out)
         self._scheduled.clear()
         all_decoding, self._all_decoding = self._all_decoding, False
-        if all_decoding and not self.waiting and not out.finished and self._schedule_decodes(out):
+        if (all_decoding and not self.waiting and not out.finished and not self._has_drafts()
+                and self._schedule_decodes(out)):
             return out
         num_decodes = min(sum(1 for r in self.running if r.num_uncomputed_tokens == 1),
                           self.config.max_batch_size)
@@ -342,6 +351,26 @@ class Scheduler:
                         out.state_saves.append((r.state_slot, slot))
         return True
 
+    def _has_drafts(self) -> bool:
+        for r in self.running:
+            if r.draft_token_ids:
+                return True
+        return False
+
+    def _num_drafts(self, req: Request, room: int, budget: int) -> int:
+        """How many of `req`'s proposed drafts its decode verifies: at most the KV room and
+        token budget left after its one new token, never past max_seq_len (the token after
+        the last draft needs a position too), and, with GDN snapshots on, never past the next
+        checkpoint (a snapshot is only taken at a window's end, when every draft is kept)."""
+        n = min(len(req.draft_token_ids), room, budget,
+                self.config.max_seq_len - req.num_tokens - 1)
+        cache = self.prefix_cache
+        if n > 0 and cache is not None and cache.checkpointing:
+            interval = self.config.ssm_checkpoint_interval
+            start = req.num_computed_tokens
+            n = min(n, (start // interval + 1) * interval - start - 1)
+        return max(n, 0)
+
     def _expire(self, now: float, out: SchedulerOutput) -> None:
         if now < self._earliest_deadline:
             return
@@ -367,8 +396,10 @@ class Scheduler:
             if capacity:
                 num_new = self._chunk_size(req, req.num_computed_tokens,
                                            min(capacity, budget.num_tokens))
-                self._reserve_blocks(req, req.num_computed_tokens + num_new)
-                self._add_seq(out, req, num_new, budget)
+                drafts = self._num_drafts(req, capacity - num_new, budget.num_tokens - num_new) \
+                    if decodes and req.draft_token_ids else 0
+                self._reserve_blocks(req, req.num_computed_tokens + num_new + drafts)
+                self._add_seq(out, req, num_new, budget, drafts)
 
     def _make_room(self, req: Request, out: SchedulerOutput) -> int:
         """Tokens `req` can grow by with the blocks it holds plus the free ones, preempting the
@@ -473,12 +504,13 @@ class Scheduler:
         return num_new
 
     def _add_seq(self, out: SchedulerOutput, req: Request, num_new: int,
-                 budget: _StepBudget) -> None:
+                 budget: _StepBudget, num_drafts: int = 0) -> None:
         end = req.num_computed_tokens + num_new
         out.seqs.append(ScheduledSeq(req, num_new, req.block_ids, req.state_slot,
-                                     sample=end == req.num_tokens))
+                                     sample=end == req.num_tokens, num_drafts=num_drafts))
+        end += num_drafts
         self._scheduled.add(req.request_id)
-        budget.num_tokens -= num_new
+        budget.num_tokens -= num_new + num_drafts
         budget.num_seqs -= 1
         if self.prefix_cache and self.prefix_cache.checkpointing:
             slot = self.prefix_cache.reserve_snapshot(req, end)
@@ -522,6 +554,7 @@ class Scheduler:
         self._release(req)
         self.running.remove(req)
         req.num_computed_tokens = 0
+        req.draft_token_ids = []
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
 
@@ -552,9 +585,12 @@ class Scheduler:
         del self._requests[req.request_id]
 
     # -- results ---------------------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled: dict[str, int | list[int]]) -> list[Request]:
         """Advance every scheduled request, append its sampled token, and finish it on a stop
-        condition. Returns the requests finished in this step."""
+        condition. A verify (a sequence with drafts) emits a list: its accepted drafts, then the
+        target's token; the rejected drafts' KV and state are dropped (num_computed_tokens
+        stops after the accepted ones). Returns the requests finished in this step."""
         finished = []
         cache = self.prefix_cache
         checkpointing = cache is not None and cache.checkpointing
@@ -564,19 +600,25 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:     # aborted after schedule()
                 continue
             start = req.num_computed_tokens
-            req.num_computed_tokens = start + seq.num_new_tokens
+            tokens = sampled.get(req.request_id) if seq.sample else None
+            if seq.sample and tokens is None:
+                raise ValueError(f"no sampled token for {req.request_id!r}, which sampled")
+            req.last_verify = None
+            accepted = self._accepted(req, seq, tokens) if seq.num_drafts else 0
+            req.draft_token_ids = []
+            # the emitted tokens first: accepted drafts are computed context (the prefix cache
+            # hashes them); a stop inside them ends the request there
+            reason = self._append_tokens(req, tokens) if seq.sample else None
+            req.num_computed_tokens = min(start + seq.num_new_tokens + accepted,
+                                          req.num_tokens - (1 if seq.sample else 0))
             if cache is not None:
                 cache.cache_blocks(req, start, req.num_computed_tokens)
                 if checkpointing:
-                    cache.commit_snapshot(req)
+                    if accepted == seq.num_drafts:
+                        cache.commit_snapshot(req)
+                    else:       # the snapshot was of the window's end, which was not kept
+                        cache.drop_snapshot(req)
             if seq.sample:
-                try:
-                    token = sampled[req.request_id]
-                except KeyError:
-                    raise ValueError(f"no sampled token for {req.request_id!r}, which sampled") \
-                        from None
-                req.output_token_ids.append(token)
-                reason = self._stop_reason(req)
                 if reason is not None:
                     self._finish(req, reason)
                     finished.append(req)
@@ -590,6 +632,32 @@ class Scheduler:
         # steady decode path (the running set can only shrink until then: aborts)
         self._all_decoding = num_decoding == len(self.running) > 0
         return finished
+
+    @staticmethod
+    def _accepted(req: Request, seq: ScheduledSeq, tokens) -> int:
+        """A verify's outcome: the emitted tokens are the accepted drafts then the target's
+        own token, so len(tokens) - 1 drafts were accepted."""
+        accepted = len(tokens) - 1 if isinstance(tokens, list) else 0
+        if not 0 <= accepted <= seq.num_drafts:
+            raise ValueError(f"{req.request_id!r} verified {seq.num_drafts} drafts but emitted "
+                             f"{accepted + 1} tokens")
+        req.num_verifies += 1
+        req.num_draft_tokens += seq.num_drafts
+        req.num_accepted_tokens += accepted
+        req.last_verify = (seq.num_drafts, accepted)
+        return accepted
+
+    def _append_tokens(self, req: Request, tokens) -> str | None:
+        """Append a step's emitted token(s), stopping at the first that ends the request."""
+        if not isinstance(tokens, list):
+            req.output_token_ids.append(tokens)
+            return self._stop_reason(req)
+        for token in tokens:
+            req.output_token_ids.append(token)
+            reason = self._stop_reason(req)
+            if reason is not None:
+                return reason
+        return None
 
     def _stop_reason(self, req: Request) -> str | None:
         params, output = req.sampling_params, req.output_token_ids

@@ -65,9 +65,11 @@ def pack_indices(const int[:] context_lens, const int[:] query_lens, const int[:
 def pack_batch(list seqs, int block_size):
     """ScheduledSeqs -> (input_ids, positions, query_start_loc, seq_lens, block_tables,
     slot_mapping, state_slots, logits_indices), int32, laid out as metrale.forward.ForwardBatch
-    documents (block tables padded with 0 to the longest table)."""
+    documents (block tables padded with 0 to the longest table). A sequence with drafts
+    (`num_drafts` > 0: a speculative verify) adds them after its new token and projects every
+    one of its rows to logits."""
     cdef Py_ssize_t B = len(seqs)
-    cdef Py_ssize_t i, j, t, T = 0, width = 0, n_sample = 0, L
+    cdef Py_ssize_t i, j, t, T = 0, width = 0, n_sample = 0, L, nd, ntok
     ctx_a = np.empty(B, dtype=np.int32)
     q_a = np.empty(B, dtype=np.int32)
     cdef int[:] ctx = ctx_a
@@ -75,12 +77,15 @@ def pack_batch(list seqs, int block_size):
     for i in range(B):
         s = seqs[i]
         ctx[i] = s.request.num_computed_tokens
-        q[i] = s.num_new_tokens
+        nd = s.num_drafts
+        q[i] = s.num_new_tokens + nd
         T += q[i]
         L = len(s.block_table)
         if L > width:
             width = L
-        if s.sample:
+        if nd:
+            n_sample += q[i]
+        elif s.sample:
             n_sample += 1
     ids_a = np.empty(T, dtype=np.int32)
     pos_a = np.empty(T, dtype=np.int32)
@@ -114,16 +119,25 @@ def pack_batch(list seqs, int block_size):
         num_prompt = len(prompt)
         dropped = req.num_dropped_tokens
         sink = req.num_sink_tokens if dropped else 0
+        nd = s.num_drafts
+        ntok = num_prompt + len(output) - dropped
+        drafts = req.draft_token_ids
         for j in range(q[i]):
             p = ctx[i] + <int>j
-            ids[t] = _token_at(prompt, output, num_prompt, sink, dropped, p)
+            if p < ntok:
+                ids[t] = _token_at(prompt, output, num_prompt, sink, dropped, p)
+            else:
+                ids[t] = drafts[p - ntok]
             pos[t] = p
             slot[t] = tab[i, p // block_size] * block_size + p % block_size
+            if nd:
+                li[k] = <int>t
+                k += 1
             t += 1
         qsl[i + 1] = <int>t
         sl[i] = ctx[i] + q[i]
         st[i] = s.state_slot
-        if s.sample:
+        if s.sample and not nd:
             li[k] = <int>t - 1
             k += 1
     return ids_a, pos_a, qsl_a, sl_a, tab_a, slot_a, st_a, li_a

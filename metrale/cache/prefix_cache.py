@@ -200,6 +200,13 @@ class PrefixCache:
         if req.request_id in self._pending:
             self.snapshots.commit(*self._pending.pop(req.request_id))
 
+    def drop_snapshot(self, req: Request) -> None:
+        """Give back the row reserved for `req`'s snapshot in this step, unsaved (a verify kept
+        fewer tokens than the window the snapshot was of)."""
+        pending = self._pending.pop(req.request_id, None)
+        if pending is not None:
+            self.snapshots.release(pending[1])
+
     def release_pending(self) -> None:
         """Drop snapshot reservations whose step result never arrived (aborted requests)."""
         for _, slot in self._pending.values():

@@ -288,19 +288,28 @@ class DecodeGraphs:
 # start fresh and leave their state in the spare state row; empty rows touch no state.
 
 STEP_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+# Verify steps (speculative decoding, metrale.spec) replay step graphs of their own, up to this
+# many tokens: their layout adds ForwardBatch.state_out and a logits row per token, and the GDN
+# layers of a step with state_out run the recurrent kernel token by token (a decode step's form),
+# which a long prefill chunk in the same step would pay for; larger verify steps run eagerly.
+VERIFY_BUCKETS = (16, 32, 64, 128)
 
 
-def step_buckets_for(max_tokens: int) -> list[int]:
-    """Token buckets up to min(max_tokens, the largest of STEP_BUCKETS)."""
-    top = min(max_tokens, STEP_BUCKETS[-1])
-    return [b for b in STEP_BUCKETS if b < top] + [top]
+def step_buckets_for(max_tokens: int, buckets=STEP_BUCKETS) -> list[int]:
+    """Token buckets up to min(max_tokens, the largest of `buckets`)."""
+    top = min(max_tokens, buckets[-1])
+    return [b for b in buckets if b < top] + [top]
 
 
-def _step_layout(tokens: int, rows: int, width: int, tiles) -> list[tuple[str, tuple[int, ...]]]:
+def _step_layout(tokens: int, rows: int, width: int, tiles,
+                 verify: bool = False) -> list[tuple[str, tuple[int, ...]]]:
+    """A step bucket's buffer; a verify bucket projects every token to logits and carries
+    state_out (its last field, after the work lists)."""
     return ([("input_ids", (tokens,)), ("positions", (tokens,)), ("query_start_loc", (rows + 1,)),
              ("seq_lens", (rows,)), ("block_tables", (rows, width)), ("slot_mapping", (tokens,)),
-             ("state_slots", (rows,)), ("logits_indices", (rows,))]
-            + [(f"work{bq}", (-(-tokens // bq) + rows, 2)) for bq in tiles])
+             ("state_slots", (rows,)), ("logits_indices", (tokens if verify else rows,))]
+            + [(f"work{bq}", (-(-tokens // bq) + rows, 2)) for bq in tiles]
+            + ([("state_out", (tokens,))] if verify else []))
 
 
 class StepInputs:
@@ -308,11 +317,12 @@ class StepInputs:
     padded into it. `host` is the int32 buffer (pinned memory on CUDA)."""
 
     def __init__(self, tokens: int, rows: int, width: int, tiles, host: np.ndarray,
-                 pad_cap: int | None = None):
+                 pad_cap: int | None = None, verify: bool = False):
         self.tokens, self.rows, self.width, self.tiles = tokens, rows, width, tuple(sorted(tiles))
+        self.verify = verify
         self.pad_cap = pad_cap or tokens        # padding tokens per padding row (one table's span)
         self._pad_positions = np.arange(tokens, dtype=np.int32) % self.pad_cap
-        self.layout = _step_layout(tokens, rows, width, self.tiles)
+        self.layout = _step_layout(tokens, rows, width, self.tiles, verify)
         self.size = _layout_size(self.layout)
         self.host_view = _checked_host(host, self.size, tokens)
         self.views: dict[str, np.ndarray] = _views(host, self.layout)
@@ -321,14 +331,18 @@ class StepInputs:
         return (num_tokens <= self.tokens
                 and num_seqs + padding_rows(self.tokens - num_tokens, self.pad_cap) <= self.rows)
 
-    def pack(self, seqs, block_size: int, spare_block: int, spare_slot: int) -> int:
+    def pack(self, seqs, block_size: int, spare_block: int, spare_slot: int,
+             state_out=None) -> int:
         """Pad the step `seqs` (ScheduledSeqs) into the buffer; returns its number of real
-        rows, or -1 (nothing written) when it does not fit (tokens, rows, block-table width)."""
-        ids, pos, qsl, seq_lens, tables, slots, state, _ = pack_batch(seqs, block_size)
-        return self.pack_arrays(ids, pos, qsl, seq_lens, tables, slots, state, spare_block, spare_slot)
+        rows (a verify bucket: of logits rows), or -1 (nothing written) when it does not fit
+        (tokens, rows, block-table width)."""
+        ids, pos, qsl, seq_lens, tables, slots, state, li = pack_batch(seqs, block_size)
+        b = self.pack_arrays(ids, pos, qsl, seq_lens, tables, slots, state, spare_block, spare_slot,
+                             li if self.verify else None, state_out)
+        return len(li) if self.verify and b >= 0 else b
 
     def pack_arrays(self, ids, pos, qsl, seq_lens, tables, slots, state, spare_block: int,
-                    spare_slot: int) -> int:
+                    spare_slot: int, logits_indices=None, state_out=None) -> int:
         """pack() from a step's flat arrays (ForwardBatch layouts)."""
         t, b = len(ids), len(seq_lens)
         if not self.fits(t, b) or tables.shape[1] > self.width:
@@ -360,8 +374,17 @@ class StepInputs:
         v["state_slots"][:b] = state
         v["state_slots"][b:] = spare_slot
         li = v["logits_indices"]
-        li[:b] = q[1: b + 1] - 1            # every real row's last token (the runner keeps the samplers)
-        li[b:] = 0
+        if self.verify:                     # the step's own logits rows (every verify row)
+            n = 0 if logits_indices is None else len(logits_indices)
+            if n:
+                li[:n] = logits_indices
+            li[n:] = 0
+            so = v["state_out"]
+            so[:t] = -1 if state_out is None else state_out
+            so[t:] = -1
+        else:
+            li[:b] = q[1: b + 1] - 1        # every real row's last token (the runner keeps the samplers)
+            li[b:] = 0
         for bq in self.tiles:
             work = prefill_work_list(q, sl, bq)
             w = v[f"work{bq}"]
@@ -379,7 +402,8 @@ class StepInputs:
     def batch(self, arrays: dict, block_size: int) -> ForwardBatch:
         """The ForwardBatch over `arrays` (this layout's views of a buffer: host or device),
         with its work lists as `.work` ({bq: [W, 2]})."""
-        fb = ForwardBatch(**{n: arrays[n] for n, _ in self.layout[:8]}, block_size=block_size)
+        fb = ForwardBatch(**{n: arrays[n] for n, _ in self.layout[:8]}, block_size=block_size,
+                          state_out=arrays["state_out"] if self.verify else None)
         fb.work = {bq: arrays[f"work{bq}"] for bq in self.tiles}
         return fb
 
@@ -423,27 +447,28 @@ class StepBuckets:
     default). `tiles`: the prefill attention tile sizes (tokens per work item) the model uses."""
 
     def __init__(self, max_tokens: int, max_batch: int, width: int, tiles, block_size: int,
-                 spare_block: int, spare_slot: int, alloc=None):
+                 spare_block: int, spare_slot: int, alloc=None, verify: bool = False):
         alloc = alloc or (lambda n: np.zeros(n, dtype=np.int32))
         self.block_size, self.spare_block, self.spare_slot = block_size, spare_block, spare_slot
         self.buckets: dict[int, StepInputs] = {}
         cap = width * block_size            # a padding row's tokens must fit its block table
-        for tokens in step_buckets_for(max_tokens):
+        for tokens in step_buckets_for(max_tokens, VERIFY_BUCKETS if verify else STEP_BUCKETS):
             rows = step_rows(tokens, max_batch, cap)
-            self.buckets[tokens] = StepInputs(
-                tokens, rows, width, tiles, alloc(_layout_size(_step_layout(tokens, rows, width, tiles))),
-                pad_cap=cap)
+            size = _layout_size(_step_layout(tokens, rows, width, tiles, verify))
+            self.buckets[tokens] = StepInputs(tokens, rows, width, tiles, alloc(size), pad_cap=cap,
+                                              verify=verify)
         self.max_tokens = max(self.buckets)
 
-    def pack(self, seqs) -> tuple[StepInputs, int] | None:
+    def pack(self, seqs, state_out=None) -> tuple[StepInputs, int] | None:
         """Pad the step `seqs` (ScheduledSeqs) into the smallest bucket that holds it: (its
-        inputs, the number of real rows), or None (nothing written) when none does."""
-        t = sum(s.num_new_tokens for s in seqs)
+        inputs, the number of real rows, or of logits rows in a verify bucket), or None (nothing
+        written) when none does."""
+        t = sum(s.num_new_tokens + s.num_drafts for s in seqs)
         if not seqs or t > self.max_tokens:
             return None
         for inputs in self.buckets.values():          # ascending
             if inputs.fits(t, len(seqs)):
-                b = inputs.pack(seqs, self.block_size, self.spare_block, self.spare_slot)
+                b = inputs.pack(seqs, self.block_size, self.spare_block, self.spare_slot, state_out)
                 return None if b < 0 else (inputs, b)
         return None
 
@@ -453,7 +478,7 @@ class StepGraphs:
     the decode graphs' memory pool and stream: graphs replay one at a time."""
 
     def __init__(self, model, ops, caches, max_tokens: int, max_batch: int, max_blocks_per_seq: int,
-                 spare_block: int, spare_slot: int, pool, stream):
+                 spare_block: int, spare_slot: int, pool, stream, verify: bool = False):
         from metrale.models.layers import Attention
 
         self.model, self.caches = model, caches
@@ -465,8 +490,9 @@ class StepGraphs:
                                                 l.mixer.shape.head_dim)
                         for l in model.layers if isinstance(l.mixer, Attention)})
         alloc, self._pinned = _pinned_allocator(self.cp)
-        self.inputs = StepBuckets(max_tokens, max_batch,
-                                  max_blocks_per_seq, tiles, self.block_size, spare_block, spare_slot, alloc)
+        self.verify = verify
+        self.inputs = StepBuckets(max_tokens, max_batch, max_blocks_per_seq, tiles, self.block_size,
+                                  spare_block, spare_slot, alloc, verify=verify)
         # per bucket: the device copy of its inputs, the captured graph, its logits
         self.graphs: dict[int, dict] = {tokens: {} for tokens in self.inputs.buckets}
 
@@ -483,11 +509,12 @@ class StepGraphs:
                 g["graph"], g["logits"] = capture_forward(self.model, batch, self.caches, self.stream,
                                                           self.launch)
 
-    def run_step(self, seqs):
+    def run_step(self, seqs, state_out=None):
         """Replay the smallest bucket that holds the step `seqs` (ScheduledSeqs); None, with
         nothing run, when none does. Returns the device logits of its real rows (one per
-        sequence, in order), valid until the next run on this stream."""
-        packed = self.inputs.pack(seqs)
+        sequence, in order; verify graphs: the step's logits rows, as pack_batch orders them),
+        valid until the next run on this stream."""
+        packed = self.inputs.pack(seqs, state_out)
         if packed is None:
             return None
         inputs, b = packed
