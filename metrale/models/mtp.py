@@ -9,6 +9,9 @@ What the head computes (the sources agree; names as the checkpoints store them):
     h = pre_fc_norm_hidden(target_hidden)                   zero-centred RMSNorm (w + 1)
     x = fc([e | h])                                         fc.weight [H, 2H], no bias;
                                                             embedding FIRST, hidden second
+                                                            (run as its two column halves,
+                                                            fc[:, :H] e + fc[:, H:] h; a
+                                                            quantized fc is read dequantised)
     x = decoder layer 0 (x)                                 a full (gated) attention layer with
                                                             the main model's MLP kind
     hidden = norm(x)                                        zero-centred RMSNorm
@@ -72,7 +75,7 @@ from metrale.forward import ForwardBatch
 from metrale.models.checkpoint import Checkpoint, CheckpointError
 from metrale.models.layers import (Attention, AttentionShape, CausalLM, DecoderLayer, NormSpec,
                                    Weights, head_dim_of)
-from metrale.models.quant import is_quantized
+from metrale.models.quant import dense, is_quantized
 from metrale.models.rope import rope_from_config
 
 log = logging.getLogger("metrale.models.mtp")
@@ -101,12 +104,13 @@ class MtpHead:
     cache_spec() -> CacheSpec of one AttentionSpec (the head's layer is cache layer 0).
     """
 
-    def __init__(self, ops, embed, lm_head, fc, norm_embedding, norm_hidden, layer: DecoderLayer,
-                 final_norm, norm: NormSpec, spec: AttentionSpec):
-        self.ops, self.embed, self.lm_head, self.fc = ops, embed, lm_head, fc
+    def __init__(self, ops, embed, lm_head, fc_embedding, fc_hidden, norm_embedding, norm_hidden,
+                 layer: DecoderLayer, final_norm, norm: NormSpec, spec: AttentionSpec):
+        self.ops, self.embed, self.lm_head = ops, embed, lm_head
+        self.fc_embedding, self.fc_hidden = fc_embedding, fc_hidden
         self.norm_embedding, self.norm_hidden, self.final_norm = norm_embedding, norm_hidden, final_norm
         self.layer, self.norm, self._spec = layer, norm, CacheSpec((spec,))
-        self.hidden_size = int(fc.shape[0])
+        self.hidden_size = int(fc_hidden.shape[0])
         self.vocab_size = int(lm_head.shape[0])
         self._heads: dict[int, object] = {}
 
@@ -120,10 +124,11 @@ class MtpHead:
         if tuple(target_hidden.shape) != (t, hid):
             raise ValueError(f"MTP forward: target_hidden has shape {tuple(target_hidden.shape)}, "
                              f"expected ({t}, {hid}): one hidden state per batch row")
-        cat = ops.empty((t, 2 * hid))
-        cat[:, :hid] = ops.rms_norm(e, self.norm_embedding, eps, off)
-        cat[:, hid:] = ops.rms_norm(target_hidden, self.norm_hidden, eps, off)
-        x, residual = self.layer(ops.linear(cat, self.fc), None, batch, caches)
+        # fc([e | h]) = fc[:, :H] e + fc[:, H:] h: the two halves' products go into the layer's
+        # first add_rms_norm as its (x, residual), which adds them (no concat copy, no extra op)
+        x = ops.linear_parts(ops.rms_norm(e, self.norm_embedding, eps, off), self.fc_embedding)
+        r = ops.linear(ops.rms_norm(target_hidden, self.norm_hidden, eps, off), self.fc_hidden)
+        x, residual = self.layer(x, r, batch, caches)
         h, _ = ops.add_rms_norm(x, residual, self.final_norm, eps, off)
         return h
 
@@ -263,7 +268,12 @@ def build_mtp(ckpt: Checkpoint, ops, model: CausalLM) -> MtpHead:
     layer = DecoderLayer(ops, attn, _mlp(lw.sub("mlp."), config, ckpt.model_type in MOE_MODEL_TYPES),
                          lw.get("input_layernorm.weight", (hidden,)),
                          lw.get("post_attention_layernorm.weight", (hidden,)), norm)
-    return MtpHead(ops, model.embed, model.lm_head, w.get("fc.weight", (hidden, 2 * hidden)),
+    fc = w.host("fc.weight", (hidden, 2 * hidden))
+    if is_quantized(fc):        # small ([H, 2H]): read dequantised, then split by columns
+        fc = dense(fc)
+    fc_embedding, fc_hidden = (ops.asarray(np.ascontiguousarray(fc[:, c])) for c in
+                               (slice(0, hidden), slice(hidden, 2 * hidden)))
+    return MtpHead(ops, model.embed, model.lm_head, fc_embedding, fc_hidden,
                    w.get("pre_fc_norm_embedding.weight", (hidden,)),
                    w.get("pre_fc_norm_hidden.weight", (hidden,)), layer,
                    w.get("norm.weight", (hidden,)), norm,
