@@ -10,6 +10,8 @@
         model under `text_config` and tensors are named `model.language_model.*`.
     load_hf(path) -> torch model in eval mode (the oracle), fp32.
     load_tiny(path) -> metrale Checkpoint, through the server's own loader.
+    add_mtp(path) -> path: random `mtp.*` tensors (the MTP head of Qwen3.5 releases, which
+        save_pretrained does not write) added to a tiny qwen3_5 / qwen3_5_moe checkpoint.
 
 Sizes stay tiny (hidden 64, 4 layers, vocab 320) so a forward costs milliseconds.
 """
@@ -146,10 +148,54 @@ def hf_logits(model, ids) -> np.ndarray:
 
 def load_tiny(path) -> Checkpoint:
     """The checkpoint as the server loads it (metrale.models.loader.load_checkpoint: text_config
-    flattened in, `model.language_model.*` renamed to `model.*`, vision/MTP tensors dropped)."""
+    flattened in, `model.language_model.*` renamed to `model.*`, vision tensors dropped)."""
     from metrale.models.loader import load_checkpoint
 
     return load_checkpoint(str(path))
+
+
+def add_mtp(path, seed: int = 1, layers: int = 1) -> str:
+    """Add the MTP head a Qwen3.5 / 3.6 release ships (HF neither saves nor loads it) to the
+    tiny qwen3_5 / qwen3_5_moe checkpoint at `path`: random top-level `mtp.*` tensors in the
+    checkpoint's dtype, named and shaped as the releases store them (see metrale.models.mtp):
+    mtp.fc.weight [H, 2H], mtp.pre_fc_norm_embedding / pre_fc_norm_hidden / norm.weight [H],
+    and mtp.layers.0.* laid out as the checkpoint's own first full-attention layer (gated
+    q_proj, q/k norms, the same dense MLP or MoE tensors), plus `mtp_num_hidden_layers: layers`
+    and `mtp_use_dedicated_embeddings: false` in the text config. Norm weights are small
+    random offsets (zero-centred norms), matrices N(0, 1 / fan_in). Returns `path`."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(path, "model.safetensors")
+    state = load_file(file)
+    config_file = os.path.join(path, "config.json")
+    with open(config_file, encoding="utf-8") as f:
+        config = json.load(f)
+    text = config["text_config"]
+    hidden = text["hidden_size"]
+    full = text["layer_types"].index("full_attention")
+    src = f"model.language_model.layers.{full}."
+    dtype = state["lm_head.weight"].dtype
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(shape):
+        if len(shape) == 1:
+            return (torch.randn(shape, generator=gen) * 0.1).to(dtype)
+        return (torch.randn(shape, generator=gen) / shape[-1] ** 0.5).to(dtype)
+
+    mtp = {"mtp.fc.weight": rand((hidden, 2 * hidden))}
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        mtp[f"mtp.{name}.weight"] = rand((hidden,))
+    for layer in range(layers):
+        mtp.update({f"mtp.layers.{layer}." + n[len(src):]: rand(tuple(t.shape))
+                    for n, t in sorted(state.items()) if n.startswith(src)})
+    save_file({**state, **mtp}, file, metadata={"format": "pt"})
+    text.update(mtp_num_hidden_layers=layers, mtp_use_dedicated_embeddings=False)
+    with open(config_file, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    return str(path)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -215,7 +215,12 @@ class CausalLM:
 
     forward(batch, caches) -> fp32 logits [len(batch.logits_indices), vocab] (a backend array;
     numpy on the CPU backend). `batch` carries its index arrays where the backend wants them
-    (ops.upload_batch)."""
+    (ops.upload_batch).
+    forward_with_hidden(batch, caches) -> (those logits, hidden [T, H]): the same pass, also
+    returning every new token's hidden state after the final norm (what the lm head reads, and
+    what an MTP head drafts from: metrale.models.mtp).
+    `mtp`: the checkpoint's multi-token-prediction head (metrale.models.mtp.MtpHead), or None;
+    set by registry.build_model."""
 
     def __init__(self, config: dict, ops, spec: CacheSpec, embed, layers: list[DecoderLayer],
                  final_norm, lm_head, norm: NormSpec):
@@ -223,17 +228,22 @@ class CausalLM:
         self.embed, self.layers, self.final_norm, self.lm_head = embed, layers, final_norm, lm_head
         self.norm = norm
         self.vocab_size = int(lm_head.shape[0])
+        self.mtp = None
+        self.mtp_absent = ""        # why `mtp` is None although config.json declares one, or ""
 
     def cache_spec(self) -> CacheSpec:
         return self._spec
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches):
+        return self.forward_with_hidden(batch, caches)[0]
+
+    def forward_with_hidden(self, batch: ForwardBatch, caches: ModelCaches):
         ops = self.ops
         x, residual = ops.embedding(batch.input_ids, self.embed), None
         for layer in self.layers:
             x, residual = layer(x, residual, batch, caches)
         h, _ = ops.add_rms_norm(x, residual, self.final_norm, self.norm.eps, self.norm.offset)
-        return ops.lm_head(ops.embedding(batch.logits_indices, h), self.lm_head)
+        return ops.lm_head(ops.embedding(batch.logits_indices, h), self.lm_head), h
 
 
 def load_embeddings(w: Weights, config: dict, prefix: str) -> tuple:

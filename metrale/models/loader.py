@@ -53,13 +53,15 @@ _SAFETENSORS_DTYPES = {
     "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
 }
 
-# Prefixes of tensors that are not part of the text model (vision tower, multi-token-prediction
-# head): dropped. Then prefixes renamed to the text model's HF names.
-_DROPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+# Prefixes of tensors that are not part of the text model (vision tower): dropped. Then
+# prefixes renamed to the text model's HF names; the multi-token-prediction head's tensors are
+# kept as `mtp.*` (metrale.models.mtp builds it when the checkpoint ships it).
+_DROPPED_PREFIXES = ("model.visual.", "visual.")
 _RENAMED_PREFIXES = (
     ("model.language_model.", "model."),
     ("language_model.model.", "model."),
     ("language_model.lm_head.", "lm_head."),
+    ("model.mtp.", "mtp."),
 )
 
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit

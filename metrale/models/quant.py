@@ -488,7 +488,7 @@ _READERS = {"fp8": _fine_grained_fp8, "compressed-tensors": _compressed_tensors,
 # -- the startup summary ---------------------------------------------------------------------
 
 _COMPANIONS = ("_scale_inv", "_scale_2", "_global_scale", "_scale", "_packed")
-_ROLES = (("embed_tokens", "embeddings"), ("lm_head", "lm head"), ("shared_expert_gate", "shared-expert gate"),
+_ROLES = (("mtp.", "MTP head"), ("embed_tokens", "embeddings"), ("lm_head", "lm head"), ("shared_expert_gate", "shared-expert gate"),
           ("shared_expert.", "shared expert"), ("experts", "experts"), ("mlp.gate.", "router"),
           ("linear_attn.conv1d", "GDN conv"), ("linear_attn.norm", "norms"), ("linear_attn", "GDN"),
           ("q_norm", "norms"), ("k_norm", "norms"), ("self_attn", "attention"), ("norm", "norms"), ("mlp", "MLP"))

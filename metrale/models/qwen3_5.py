@@ -11,7 +11,8 @@ then a SwiGLU MLP (dense) or a sparse MoE with a sigmoid-gated shared expert (mo
 All other RMSNorms are zero-centred (weight + 1).
 
 Tensors are read under `model.language_model.` (hub / *ForConditionalGeneration layout) or
-`model.` (*ForCausalLM); vision tower and MTP weights are ignored.
+`model.` (*ForCausalLM); the vision tower is ignored; the MTP head (`mtp.*`) is built beside
+the model by metrale.models.mtp (registry.build_model).
 """
 from __future__ import annotations
 

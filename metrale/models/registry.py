@@ -3,7 +3,9 @@
 A model (metrale.models.layers.CausalLM) offers:
     cache_spec() -> metrale.cache.kv.CacheSpec     what each layer caches (size pools from it)
     forward(batch, caches) -> logits [len(batch.logits_indices), vocab_size]
+    forward_with_hidden(batch, caches) -> (those logits, final-norm hidden states [T, H])
     vocab_size, config
+    mtp: metrale.models.mtp.MtpHead or None (Qwen3.5 / 3.6 checkpoints that ship `mtp.*`)
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Callable
 from metrale.models.checkpoint import Checkpoint, CheckpointError
 from metrale.models.layers import CausalLM
 from metrale.models.llama import build_llama_family
+from metrale.models.mtp import attach_mtp
 from metrale.models.qwen3_5 import build_qwen3_5
 
 _BUILDERS: dict[str, Callable[[Checkpoint, object], CausalLM]] = {
@@ -41,12 +44,21 @@ def register(model_type: str, build: Callable[[Checkpoint, object], CausalLM]) -
     _BUILDERS[model_type] = build
 
 
-def build_model(ckpt: Checkpoint, ops) -> CausalLM:
-    """Build the model of `ckpt` on backend `ops`, loading (and fusing) its weights."""
+def build_model(ckpt: Checkpoint, ops, mtp: str = "auto") -> CausalLM:
+    """Build the model of `ckpt` on backend `ops`, loading (and fusing) its weights.
+
+    `mtp` (metrale.models.mtp.attach_mtp): "auto" builds `model.mtp`, the checkpoint's
+    multi-token-prediction head, when the checkpoint ships one (None otherwise); "require"
+    refuses a checkpoint without one; "off" leaves it unread (no memory spent on it)."""
     model_type = _ALIASES.get(ckpt.model_type, ckpt.model_type)
     builder = _BUILDERS.get(model_type)
     if builder is None:
         raise CheckpointError(
             f"{ckpt.path}: model_type {ckpt.model_type!r} is not supported; supported types: "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-    return builder(ckpt, ops)
+    model = builder(ckpt, ops)
+    if isinstance(model, CausalLM):
+        attach_mtp(model, ckpt, ops, mtp)
+    elif mtp == "require":
+        raise CheckpointError(f"{ckpt.path}: the {type(model).__name__} model has no MTP head")
+    return model
