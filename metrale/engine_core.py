@@ -94,7 +94,7 @@ class EngineCore:
             # the legacy stream (tests, tools) stays ordered with it.
             self.stream = self.ops.cp.cuda.Stream(non_blocking=False)
             self.stream.use()
-        self.model = build_model(ckpt, self.ops)
+        self.model = build_model(ckpt, self.ops, mtp=_mtp_mode(self.config))
         spec = self.model.cache_spec()
         self.hybrid = bool(spec.gdn_layers)
         self.speculation = make_speculation(self.config, self.model, self.ops.name == "cuda")
@@ -114,6 +114,10 @@ class EngineCore:
         self.runner = ModelRunner(self.model, self.ops, self.caches, self.config.block_size,
                                   seed=self.seed,
                                   verify_rows=range(num_slots + 1, num_slots + 1 + num_verify))
+        if self.speculation is not None:
+            # a drafter with caches of its own (the MTP head's KV) sizes them like the main pool;
+            # one that reads the target's hidden states has the runner keep them
+            self.runner.keep_hidden = self.speculation.bind(self.caches, self.ops)
         self.runner.swap = self.swap
         self.eos_token_ids: frozenset[int] = frozenset()
         self.last_step: StepStats | None = None
@@ -274,6 +278,8 @@ class EngineCore:
         if cfg.num_kv_blocks:
             return cfg.num_kv_blocks
         per_block = max(1, spec.kv_bytes_per_block(cfg.block_size, self.ops.dtype))
+        if self.speculation is not None:    # a drafter's own KV per block (the MTP head's)
+            per_block += self.speculation.kv_bytes_per_block(cfg.block_size, self.ops.dtype)
         wanted = cfg.max_batch_size * -(-cfg.max_seq_len // cfg.block_size)
         if self.ops.name == "cpu":
             budget = (cfg.kv_cache_memory_mb or _CPU_KV_BUDGET_MB) * 2**20
@@ -356,6 +362,7 @@ class EngineCore:
         if self.speculation is not None:
             if out.num_drafts:
                 self.speculation.record(out, emitted)
+            self.speculation.after_step(out, emitted, self.runner.last_forward)
             self.speculation.propose(self.scheduler.running)
         seconds = time.perf_counter() - t0
         num_tokens = out.num_new_tokens
@@ -405,3 +412,11 @@ class EngineCore:
             req.num_draft_tokens,
             req.num_accepted_tokens,
         )
+
+
+def _mtp_mode(config: EngineConfig) -> str:
+    """build_model's `mtp`: the checkpoint's MTP head is read only when --speculative may draft
+    with it (ngram and self-speculation take precedence over MTP)."""
+    if config.speculative and not (config.ngram_speculative or config.self_speculative):
+        return "auto"
+    return "off"

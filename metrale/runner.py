@@ -53,6 +53,10 @@ class ModelRunner:
         # GDN state-pool rows a verify step keeps its window's states in (metrale.spec)
         self.verify_rows = verify_rows
         self.hybrid = caches is not None and bool(caches.spec.gdn_layers)
+        # a drafter that reads the target's hidden states (the MTP head): every forward runs
+        # eagerly through model.forward_with_hidden and leaves (host batch, hidden [T, H]) here
+        self.keep_hidden = False
+        self.last_forward = None
 
     # -- per-request state ----------------------------------------------------------------
     def admit(self, request) -> None:
@@ -119,12 +123,14 @@ class ModelRunner:
         if not seqs:
             hook()
             return {}
+        self.last_forward = None
         if out.num_drafts:
             return self._execute_verify(out, hook)
         # a decode step replays its captured graph, packed straight from the ScheduledSeqs;
         # with --prefill-graphs any other step that fits a token bucket replays one too
-        logits = self.graphs.run_decode(seqs) if self.graphs is not None else None
-        if logits is None and self.step_graphs is not None:
+        logits = self.graphs.run_decode(seqs) if self.graphs is not None and not self.keep_hidden \
+            else None
+        if logits is None and self.step_graphs is not None and not self.keep_hidden:
             logits = self.step_graphs.run_step(seqs)
         if logits is not None:
             sampling = [s for s in seqs if s.sample]
@@ -134,7 +140,7 @@ class ModelRunner:
             hook()
             hook = _nothing
             batch = self.build_batch(out)
-            logits = self.model.forward(self.ops.upload_batch(batch), self.caches)
+            logits = self._forward(batch)
             sampling = [s for s in seqs if s.sample]
         for src, dst in out.state_saves:
             self.caches.copy_state(src, dst)
@@ -158,14 +164,14 @@ class ModelRunner:
         seqs = out.seqs
         state_out, windows = self._state_out(seqs) if self.hybrid else (None, {})
         logits = None
-        if self.verify_graphs is not None:
+        if self.verify_graphs is not None and not self.keep_hidden:
             logits = self.verify_graphs.run_step(seqs, state_out)
         if logits is None:
             hook()
             hook = _nothing
             batch = self.build_batch(out)
             batch.state_out = state_out
-            logits = self.model.forward(self.ops.upload_batch(batch), self.caches)
+            logits = self._forward(batch)
         sampling = [s for s in seqs if s.sample]
         rows = _verify_rows(sampling)
         if self.gpu_sampler is not None:
@@ -196,6 +202,16 @@ class ModelRunner:
                 self.caches.copy_state(src, dst)
         force_thinking_close(sampled, [s.request for s in sampling])
         return sampled
+
+    def _forward(self, batch):
+        """The eager forward of a host batch: logits, and with keep_hidden the hidden states
+        of every new token too (ModelRunner.last_forward)."""
+        dev = self.ops.upload_batch(batch)
+        if not self.keep_hidden:
+            return self.model.forward(dev, self.caches)
+        logits, hidden = self.model.forward_with_hidden(dev, self.caches)
+        self.last_forward = (batch, hidden)
+        return logits
 
     def _state_out(self, seqs) -> tuple[np.ndarray, dict[int, int]]:
         """ForwardBatch.state_out of a verify step: the states after a verifying sequence's

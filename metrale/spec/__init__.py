@@ -165,6 +165,27 @@ class Speculation:
     def release(self, request_id: str) -> None:
         self.drafter.release(request_id)
 
+    # -- drafters with state on the device (the MTP head) ----------------------------------
+    def bind(self, caches, ops) -> bool:
+        """The engine's caches are allocated: a drafter that keeps caches of its own makes
+        them now. True when the drafter reads the target's hidden states (the runner then
+        keeps them: ModelRunner.last_forward)."""
+        bind = getattr(self.drafter, "bind", None)
+        return bool(bind(caches, ops)) if bind is not None else False
+
+    def kv_bytes_per_block(self, block_size: int, dtype) -> int:
+        """KV bytes the drafter's own caches add per KV block of the main pool."""
+        fn = getattr(self.drafter, "kv_bytes_per_block", None)
+        return int(fn(block_size, dtype)) if fn is not None else 0
+
+    def after_step(self, out, emitted, forward) -> None:
+        """A step finished (the scheduler has committed `emitted`): a drafter that follows
+        the target (the MTP head) catches up on the positions it computed. `forward` is the
+        runner's (batch, hidden states) of the step, or None."""
+        observe = getattr(self.drafter, "observe", None)
+        if observe is not None:
+            observe(out, emitted, forward)
+
     def record(self, out, sampled) -> None:
         """Count the verifies of a finished step (`sampled`: request id -> emitted tokens)."""
         st = self.stats
