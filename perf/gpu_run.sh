@@ -16,6 +16,8 @@
 #   LM_HEAD_COST=1 ...  the lm head with a bf16 vs an fp32 store at decode shapes (perf/lm_head_cost.py)
 #   QUANT_BENCH=1 ...  FP8 / NVFP4 projections against bf16 on the 9B / 27B shapes (perf/quant_gemv.py)
 #   LADDER="qwen3_5_9b qwen3_5_9b:fp8 qwen3_5_9b:nvfp4" ...  a ladder entry may name its weights
+#   SPEC_MECH="qwen3_5_9b" SPEC_CONC=1,8 SPEC_DRAFTS=3 SPEC_P=0,0.8,1 ...  speculative decoding at
+#     controlled acceptance; SPEC_REAL=1 (with SMOLLM2_GGUF) prompt lookup / n-gram on SmolLM2
 #
 # Wheels the GPU image lacks (pyzmq, falcon, gunicorn, orjson) are installed from ./.whl when it
 # exists (fetch them beforehand with ../shared/tools/gpu-wheels.sh from the project root).
@@ -109,6 +111,22 @@ echo "== decode GEMM benchmark"
 "$PY" perf/bench_ops.py --out "$OUTDIR" --gemm-only 2>&1 | tee "$OUTDIR/bench_gemm.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
+fi
+
+# speculative decoding (perf/spec_bench.py): SPEC_MECH="qwen3_5_9b ..." controlled acceptance
+# (SPEC_CONC, SPEC_DRAFTS, SPEC_P), SPEC_REAL=1 prompt lookup / n-gram on the real SmolLM2
+for shape in ${SPEC_MECH:-}; do
+  echo "== speculative mechanics $shape"
+  "$PY" perf/spec_bench.py --part mechanics --shape "$shape" --conc "${SPEC_CONC:-1,8,32,64}" \
+    --drafts "${SPEC_DRAFTS:-3}" --p "${SPEC_P:-0,0.8,1}" --osl "${LADDER_OSL:-256}" --out "$OUTDIR" 2>&1 \
+    | tee "$OUTDIR/spec_mech_$shape.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+done
+if [ -n "${SPEC_REAL:-}" ]; then
+  echo "== speculative decoding on the real SmolLM2"
+  "$PY" perf/spec_bench.py --part real --model "${SMOLLM2_GGUF:?SPEC_REAL needs SMOLLM2_GGUF}" --out "$OUTDIR" 2>&1 \
+    | tee "$OUTDIR/spec_real.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
 # the concurrency ladder, engine-only (perf/ladder.py); LADDER="" skips it

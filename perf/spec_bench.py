@@ -1,0 +1,244 @@
+"""Speculative decoding benchmarks (engine-only; metrale.spec). Two parts, as issue #19 asks:
+
+  --part mechanics   controlled acceptance. A first pass without speculation records each
+                     request's greedy continuation; the benchmark-only ReplayDrafter then
+                     proposes it with each draft corrupted with probability 1 - p. tok/s for
+                     every (p, drafts, C), against speculation off, with the verify step's time
+                     over a decode step's. Synthetic weights of the real shapes on the GPU
+                     (perf/ladder.py's), tiny ones on the CPU.
+  --part real        real acceptance: the real SmolLM2-135M-Instruct (GGUF), prompt lookup and
+                     n-gram against off, single stream, over a code-editing workload (the model
+                     rewrites a source file of this repository with one small change) and a
+                     chat workload; accepted length, speedup, and whether the greedy text is
+                     identical.
+
+Writes perf/results/spec_<part>_<shape>_<stamp>.json (commit, date, device, shape, figures).
+
+    python perf/spec_bench.py --part mechanics --shape qwen3_5_9b --conc 1,8,64 --drafts 1,3 \
+        --p 0,0.7,1
+    python perf/spec_bench.py --part real --model /path/SmolLM2-135M-Instruct.Q4_1.gguf
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _run(core, prompts: dict, params, reset_stats=True) -> dict:
+    """All `prompts` at once to the end: tok/s, output tokens per request, step times (decode
+    steps: every sequence decoding; verify steps: any with drafts)."""
+    from metrale.request import Request
+
+    if core.speculation is not None and reset_stats:
+        from metrale.spec import SpecStats
+        core.speculation.stats = SpecStats()
+    t0 = time.perf_counter()
+    for rid, ids in prompts.items():
+        core.add_request(Request(rid, list(ids), params))
+    out = {rid: [] for rid in prompts}
+    steps = []
+    n = len(prompts)
+    while core.has_unfinished():
+        s0 = time.perf_counter()
+        for o in core.step():
+            out[o.request_id] += o.new_token_ids
+        st = core.last_step
+        if st and st.num_seqs == n and st.num_tokens >= n and all(out.values()):
+            steps.append((st.num_tokens, time.perf_counter() - s0))
+    wall = time.perf_counter() - t0
+    total = sum(len(v) for v in out.values())
+    res = dict(tok_s=total / wall, wall_s=wall, tokens=out,
+               step_p50_ms=1e3 * statistics.median([s for _, s in steps]) if steps else None,
+               steps=len(steps))
+    if core.speculation is not None:
+        st = core.speculation.stats
+        res.update(verifies=st.num_verifies, draft_tokens=st.draft_tokens,
+                   accepted_tokens=st.accepted_tokens,
+                   acceptance=st.accepted_tokens / st.draft_tokens if st.draft_tokens else None,
+                   mean_accepted_length=st.mean_accepted_length)
+    return res
+
+
+def mechanics(args) -> dict:
+    from metrale.config import EngineConfig
+    from metrale.engine_core import EngineCore
+    from metrale.sampling import SamplingParams
+    from metrale.spec.drafters import ReplayDrafter
+
+    import ladder
+
+    os.environ["METRALE_SPEC_MAX_BATCH"] = str(args.spec_max_batch)
+    rungs = [int(c) for c in args.conc.split(",")]
+    drafts = [int(k) for k in args.drafts.split(",")]
+    ps = [float(p) for p in args.p.split(",")]
+    if args.device == "cuda":
+        ckpt, _ = ladder.synthetic_checkpoint(args.shape, args.weights)
+    else:
+        import tempfile
+
+        from metrale.models.loader import load_checkpoint
+        folder = ladder.write_model_folder(args.shape, Path(tempfile.mkdtemp(prefix="spec-")), args.weights)
+        ckpt = load_checkpoint(str(folder), load_format="dummy", device="cpu")
+    vocab = ckpt.config["vocab_size"]
+    base = dict(device=args.device, max_seq_len=args.isl + args.osl + 64, max_batch_size=max(rungs),
+                max_num_seqs=max(rungs), max_prefill_tokens=max(8192, args.isl * 8), seed=0)
+    off = EngineCore(ckpt, EngineConfig(**base))
+    on = EngineCore(ckpt, EngineConfig(**base, ngram_speculative=True, num_drafts=max(drafts)))
+    params = SamplingParams(max_tokens=args.osl, temperature=0, ignore_eos=True)
+    rng = np.random.default_rng(0)
+    rows = []
+    for conc in rungs:
+        prompts = {f"c{conc}-{i}": [int(t) for t in rng.integers(100, vocab - 100, args.isl)]
+                   for i in range(conc)}
+        _run(off, {f"w-{k}": v for k, v in prompts.items()}, params)      # warm-up
+        ref = _run(off, prompts, params)
+        print(f"C={conc:4d} off            {ref['tok_s']:10.1f} tok/s  step {ref['step_p50_ms'] or 0:7.2f} ms",
+              flush=True)
+        for k in drafts:
+            on.config.num_drafts = k
+            for p in ps:
+                on.speculation.drafter = ReplayDrafter(ref["tokens"], p, vocab, seed=conc * 7 + k)
+                res = _run(on, {rid: prompts[rid] for rid in prompts}, params)
+                same = sum(res["tokens"][r] == ref["tokens"][r] for r in prompts)
+                row = dict(concurrency=conc, drafts=k, p=p, tok_s=res["tok_s"],
+                           off_tok_s=ref["tok_s"], speedup=res["tok_s"] / ref["tok_s"],
+                           step_p50_ms=res["step_p50_ms"], decode_step_p50_ms=ref["step_p50_ms"],
+                           verify_over_decode=(res["step_p50_ms"] / ref["step_p50_ms"]
+                                               if res["step_p50_ms"] and ref["step_p50_ms"] else None),
+                           acceptance=res.get("acceptance"),
+                           mean_accepted_length=res.get("mean_accepted_length"),
+                           verifies=res.get("verifies"), same_greedy_output=same, requests=conc)
+                rows.append(row)
+                print(f"C={conc:4d} K={k + 1} p={p:4.2f}  {res['tok_s']:10.1f} tok/s  x{row['speedup']:5.2f}"
+                      f"  step {res['step_p50_ms'] or 0:7.2f} ms  accepted {row['acceptance'] or 0:5.2f}"
+                      f"  len {row['mean_accepted_length'] or 0:4.2f}  same {same}/{conc}", flush=True)
+    return dict(benchmark="spec_mechanics", isl=args.isl, osl=args.osl, weights=args.weights,
+                spec_max_batch=args.spec_max_batch, rungs=rows)
+
+
+CODE_FILE = "metrale/ratelimit.py"
+
+
+def workloads(tokenizer) -> dict[str, list[list[int]]]:
+    """Token ids of each workload's prompts (`tokenizer(text)`: through the chat template)."""
+    source = (Path(__file__).resolve().parent.parent / CODE_FILE).read_text()
+    code = [
+        f"Here is a Python file:\n\n```python\n{source}\n```\n\nRewrite the whole file with the "
+        "class TokenBucket renamed to Bucket. Output only the complete new file.",
+        f"```python\n{source}\n```\n\nRepeat this file exactly, adding a one-line comment at the "
+        "top that says '# rate limiting'.",
+    ]
+    chat = ["What is the capital of France? Answer in two sentences.",
+            "Write a short poem about the sea.",
+            "Explain what a hash table is to a beginner."]
+    return {name: [tokenizer(text) for text in texts] for name, texts in (("code_edit", code),
+                                                                         ("chat", chat))}
+
+
+def real(args) -> dict:
+    from metrale.config import EngineConfig
+    from metrale.llm import LLM
+    from metrale.sampling import SamplingParams
+
+    methods = {"off": {}, "prompt_lookup": dict(speculative=True, prompt_lookup_decoding=True),
+               "ngram": dict(ngram_speculative=True, num_drafts=args.ngram_drafts)}
+    rows = []
+    base = dict(max_seq_len=4096, max_batch_size=4, device=args.device)
+    llms = {}
+    prompts = None
+    for name, extra in methods.items():
+        llm = LLM(args.model, **base, **extra)
+        llms[name] = llm
+        if prompts is None:
+            prompts = workloads(lambda text, llm=llm: llm.tokenizer.encode(
+                llm.render_chat([{"role": "user", "content": text}]), add_special_tokens=False))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    ref_tokens = {}
+    for workload, items in prompts.items():
+        for name in methods:
+            core = llms[name].core
+            _run(core, {"warm": items[0][:64]}, SamplingParams(max_tokens=8, temperature=0))
+            res_all = []
+            for i, ids in enumerate(items):
+                res = _run(core, {f"{workload}-{i}": ids}, params)
+                res_all.append(res)
+                key = (workload, i)
+                toks = res["tokens"][f"{workload}-{i}"]
+                if name == "off":
+                    ref_tokens[key] = toks
+                res["same"] = toks == ref_tokens[key]
+            tok = sum(sum(len(v) for v in r["tokens"].values()) for r in res_all)
+            wall = sum(r["wall_s"] for r in res_all)
+            row = dict(workload=workload, method=name, tok_s=tok / wall, tokens=tok,
+                       identical_greedy_text=all(r["same"] for r in res_all))
+            if name != "off":
+                d = sum(r["draft_tokens"] for r in res_all)
+                a = sum(r["accepted_tokens"] for r in res_all)
+                v = sum(r["verifies"] for r in res_all)
+                row.update(draft_tokens=d, accepted_tokens=a, verifies=v,
+                           acceptance=a / d if d else None,
+                           mean_accepted_length=(a + v) / v if v else None)
+            rows.append(row)
+        off = next(r for r in rows if r["workload"] == workload and r["method"] == "off")
+        for r in rows:
+            if r["workload"] == workload:
+                r["speedup"] = r["tok_s"] / off["tok_s"]
+                print(f"{workload:10s} {r['method']:14s} {r['tok_s']:9.1f} tok/s  x{r['speedup']:5.2f}  "
+                      f"len {r.get('mean_accepted_length') or 1:5.2f}  identical {r['identical_greedy_text']}",
+                      flush=True)
+    return dict(benchmark="spec_real", model=os.path.basename(args.model), code_file=CODE_FILE,
+                max_tokens=args.max_tokens, rows=rows)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--part", choices=("mechanics", "real"), default="mechanics")
+    ap.add_argument("--shape", default="qwen3_5_9b")
+    ap.add_argument("--weights", default="bf16", choices=("bf16", "fp8", "nvfp4"))
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--isl", type=int, default=128)
+    ap.add_argument("--osl", type=int, default=256)
+    ap.add_argument("--conc", default="1,8,32,64,128")
+    ap.add_argument("--drafts", default="1,2,3,4", help="drafts per verify (K = drafts + 1)")
+    ap.add_argument("--p", default="0,0.5,0.7,0.9,1")
+    ap.add_argument("--spec-max-batch", type=int, default=32,
+                    help="METRALE_SPEC_MAX_BATCH for the run (speculation off above it)")
+    ap.add_argument("--model", help="--part real: the SmolLM2 GGUF")
+    ap.add_argument("--max-tokens", type=int, default=384)
+    ap.add_argument("--ngram-drafts", type=int, default=4)
+    ap.add_argument("--out", default="perf/results")
+    args = ap.parse_args(argv)
+    import ladder
+    from metrale import records
+
+    record = mechanics(args) if args.part == "mechanics" else real(args)
+    device = "cpu"
+    if args.device == "cuda":
+        import cupy as cp
+        device = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    shape = args.shape if args.part == "mechanics" else "smollm2_135m_gguf"
+    record = dict(commit=ladder.git_commit(),
+                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(), device=device,
+                  shape=shape, **record)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"spec_{args.part}_{shape}_{datetime.datetime.now().strftime('%Y%m%d_%H%M%S')}.json"
+    path.write_text(json.dumps(record, indent=1))
+    records.finish(path, harness=__file__)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
