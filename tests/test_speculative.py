@@ -441,3 +441,40 @@ def test_met_serve_with_ngram_speculation_streams_the_same_text_and_counts_verif
         log = (tmp_path / f"serve-{name}.log").read_text()
         assert ("spec_accepted_tokens" in log) == (name == "on")
     assert texts["on"] == texts["off"]
+
+
+# -- verify steps padded into the verify step graphs' buckets (their host side, on the CPU) ------
+class CpuVerifyGraphs:
+    """StepGraphs(verify=True).run_step's contract on the CPU backend: the verify step padded
+    into the smallest VERIFY_BUCKETS bucket (StepBuckets(verify=True), the host side of the CUDA
+    verify graphs: state_out and a logits row per token in the buffer) and run as one forward."""
+
+    def __init__(self, core):
+        from metrale.backends.cuda.graphs import StepBuckets
+
+        self.model, self.caches, self.bs = core.model, core.caches, core.config.block_size
+        width = -(-core.config.max_seq_len // self.bs)
+        self.inputs = StepBuckets(128, core.config.max_batch_size, width, (16,), self.bs,
+                                  core._num_blocks, core._num_slots, verify=True)
+        self.replayed = 0
+
+    def run_step(self, seqs, state_out=None):
+        packed = self.inputs.pack(seqs, state_out)
+        if packed is None:
+            return None
+        inputs, n = packed
+        self.replayed += 1
+        batch = inputs.batch(inputs.views, self.bs)
+        assert batch.state_out is not None and len(batch.logits_indices) == inputs.tokens
+        return self.model.forward(batch, self.caches)[:n]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "llama"])
+def test_verify_steps_padded_into_verify_buckets_give_the_same_tokens(arch, checkpoints, plain):
+    prompts = make_prompts(6, seed=9, lo=3, hi=30)
+    params = greedy(16)
+    expected = plain(arch, prompts, params)
+    core = with_replay(engine(checkpoints[arch], drafts=4, max_prefill_tokens=40), expected, 0.7)
+    graphs = core.runner.verify_graphs = CpuVerifyGraphs(core)
+    assert run(core, prompts, params, waves=3) == expected
+    assert graphs.replayed > 0
