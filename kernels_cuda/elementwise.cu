@@ -34,6 +34,12 @@
 //                  slot_mapping[t] (int32; negative = padding token, skipped). Moves
 //                  4 * T*Hk*D*sizeof(T) bytes.
 // bias_add         y T[R, N] += b T[N] (in place, after a cuBLAS GEMM).
+// copy_rows        rows of several arrays in one launch (a speculative verify restoring the
+//                  accepted prefix's GDN state in every layer): for array a (base address
+//                  ptrs[a], rows of row_words[a] 4-byte words) and pair r, row dst[r] = row
+//                  src[r]. 16-byte accesses where a row is a multiple of 4 words (the base is
+//                  a CuPy allocation: 256-byte aligned). grid (x: chunks of a row, y: pairs,
+//                  z: arrays). Moves 2 * sum_a row_words[a] * 4 * R bytes; no FLOPs.
 #include "common.cuh"
 
 using mt::from_f;
@@ -442,3 +448,26 @@ __device__ void bias_add_impl(T* y, const T* b, long long rows, int n) {
 
 MT_ELEMENTWISE(bf16, __nv_bfloat16)
 MT_ELEMENTWISE(f32, float)
+
+// ---------------------------------------------------------------------------------------------
+extern "C" __global__ void copy_rows(const unsigned long long* ptrs, const long long* row_words,
+                                     const int* src, const int* dst, int A, int R) {
+    mt::pdl_enter();
+    const int r = blockIdx.y, a = blockIdx.z;
+    if (r < R && a < A) {
+        const long long n = row_words[a];
+        unsigned* base = reinterpret_cast<unsigned*>(ptrs[a]);
+        const unsigned* from = base + (long long)src[r] * n;
+        unsigned* to = base + (long long)dst[r] * n;
+        const long long stride = (long long)gridDim.x * blockDim.x;
+        const long long i0 = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+        if (n % 4 == 0) {
+            const uint4* f4 = reinterpret_cast<const uint4*>(from);
+            uint4* t4 = reinterpret_cast<uint4*>(to);
+            for (long long i = i0; i < n / 4; i += stride) t4[i] = f4[i];
+        } else {
+            for (long long i = i0; i < n; i += stride) to[i] = from[i];
+        }
+    }
+    mt::pdl_exit();
+}

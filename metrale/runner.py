@@ -179,7 +179,7 @@ class ModelRunner:
         else:
             hook()
             picks = self._sample_rows(self.ops.to_numpy(logits), rows)
-        sampled, partial = {}, set()
+        sampled, partial, restores = {}, set(), []
         at = 0
         for s in sampling:
             n = 1 + s.num_drafts
@@ -195,8 +195,9 @@ class ModelRunner:
                 mine[a].token_id, mine[a].logprob, mine[a].top_logprobs, accepted=mine[:a])
             if a < s.num_drafts and s.state_slot in windows:
                 # the working row ran to the window's end: back to after the accepted tokens
-                self.caches.copy_state(windows[s.state_slot] + a, s.state_slot)
+                restores.append((windows[s.state_slot] + a, s.state_slot))
                 partial.add(s.state_slot)
+        self.caches.copy_states(restores)   # every sequence and layer in one launch (CUDA)
         for src, dst in out.state_saves:    # a snapshot is of a window's end: kept whole only
             if src not in partial:
                 self.caches.copy_state(src, dst)

@@ -28,8 +28,12 @@ NEAR_TIE = 0.05
 def checkpoints(tmp_path_factory):
     from metrale.models.loader import load_checkpoint
 
+    from test_gpu_models import GDN_SHAPES, GPU_SHAPES
+
     root = tmp_path_factory.mktemp("gpu-spec")
-    return {a: load_checkpoint(make_tiny(a, root / a, seed=11)) for a in ("qwen3_5", "llama")}
+    shapes = {"qwen3_5": dict(GPU_SHAPES, **GDN_SHAPES), "llama": GPU_SHAPES}
+    return {a: load_checkpoint(make_tiny(a, root / a, dtype="bfloat16", seed=11, **kw))
+            for a, kw in shapes.items()}
 
 
 def engine(ckpt, drafts=0, **kw):
@@ -156,3 +160,23 @@ def test_ngram_drafter_on_the_gpu_keeps_greedy_output(checkpoints):
     got = run(core, ps, greedy(60))
     assert assert_agree_until_near_tie(plain, ps, ref, got) >= 2
     assert core.speculation.stats.accepted_tokens > 0
+
+
+def test_copy_rows_copies_every_array_and_pair_in_one_launch():
+    """CudaOps.copy_rows (the verify's state restore) against numpy: fp32 rows of 16-byte
+    multiples and bf16 rows that are not (the conv state's), untouched rows unchanged."""
+    import cupy as cp
+
+    from metrale.backends.cuda import CudaOps
+
+    ops = CudaOps()
+    rng = np.random.default_rng(0)
+    host = [rng.standard_normal((9, 4, 16, 24)).astype(np.float32),
+            rng.standard_normal((9, 6, 3)).astype(np.float32).astype(np.float16)]
+    dev = [cp.asarray(h) for h in host]
+    src, dst = [5, 7, 1], [0, 2, 8]
+    ops.copy_rows(dev, src, dst)
+    for h, d in zip(host, dev):
+        want = h.copy()
+        want[dst] = h[src]
+        np.testing.assert_array_equal(cp.asnumpy(d), want)

@@ -111,6 +111,20 @@ class ModelCaches:
             conv[dst_slot] = conv[src_slot]
             ssm[dst_slot] = ssm[src_slot]
 
+    def copy_states(self, pairs) -> None:
+        """copy_state for every (src, dst) of `pairs` (a speculative verify restoring each
+        sequence's accepted prefix): one launch for every layer and pair where the backend has
+        a row-copy op (CudaOps.copy_rows), else one copy per row."""
+        if not pairs:
+            return
+        copy_rows = getattr(self.ops, "copy_rows", None)
+        if copy_rows is None:
+            for src, dst in pairs:
+                self.copy_state(src, dst)
+            return
+        arrays = [a for layer in self.spec.gdn_layers for a in self._arrays[layer]]
+        copy_rows(arrays, [s for s, _ in pairs], [d for _, d in pairs])
+
     # -- swapping (metrale.cache.swap): host copies of blocks and state rows ------------------
     def read_blocks(self, block_ids) -> list[np.ndarray]:
         """Host copies of K and V of `block_ids` in every attention layer, in layer order:

@@ -90,6 +90,7 @@ class Speculation:
         self.max_drafts = max(lone, batched)
         self.verify_rows = max(lone, batched * self.max_batch)
         self.stats = SpecStats()
+        self.enabled = True         # False: no drafts (benchmarks: the same engine without them)
         log.info("speculative decoding: %s, %d drafts per verify (%s), off above %d decoding "
                  "sequences", self.method, config.num_drafts,
                  "METRALE_MTP_K_LADDER " + ",".join(f"{b}:{k}" for b, k in self.ladder)
@@ -146,6 +147,10 @@ class Speculation:
             else:
                 r.draft_token_ids = []
         if not decoding:
+            return
+        if not self.enabled:
+            for r in decoding:
+                r.draft_token_ids = []
             return
         k = self.drafts_for_batch(len(decoding))
         if k == 0 and not self.config.prompt_lookup_decoding:

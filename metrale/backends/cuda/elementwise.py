@@ -38,12 +38,33 @@ declare("elementwise", "sigmoid_mul_{}", "const T* x, long long xa, long long xb
 declare("elementwise", "write_kv_{}", "const T* k, long long ks_t, long long ks_h, const T* v, long long vs_t, "
         "long long vs_h, T* k_cache, T* v_cache, const int* slot_mapping, long long ntok, int Hk, int D, int vec")
 declare("elementwise", "bias_add_{}", "T* y, const T* b, long long rows, int n")
+declare("elementwise", "copy_rows", "const unsigned long long* ptrs, const long long* row_words, "
+        "const int* src, const int* dst, int A, int R")
 
 
 def bias_add(ops, y, b, t: int, n_out: int) -> None:
     """y [t, n_out] += b [n_out] in place."""
     ops.kernel("elementwise", f"bias_add_{ops._suffix(y)}")(
         (ops._grid1d(t * n_out),), (256,), y=y, b=b, rows=t, n=n_out)
+
+
+def copy_rows(ops, arrays, src, dst) -> None:
+    """a[dst[r]] = a[src[r]] for every array of `arrays` (contiguous, first axis = rows) and
+    every pair r, in one launch (src and dst rows distinct)."""
+    cp = ops.cp
+    if not arrays or not len(src):
+        return
+    for a in arrays:
+        if not a.flags.c_contiguous or (a[0].nbytes % 4):
+            raise ValueError(f"copy_rows: a contiguous array of whole 4-byte rows, got {a.shape} {a.dtype}")
+    ptrs = cp.asarray(np.array([a.data.ptr for a in arrays], np.uint64))
+    words = cp.asarray(np.array([a[0].nbytes // 4 for a in arrays], np.int64))
+    longest = max(a[0].nbytes // 16 for a in arrays)
+    s = cp.asarray(np.asarray(src, np.int32))
+    d = cp.asarray(np.asarray(dst, np.int32))
+    grid = (max(1, min(64, -(-longest // 256))), len(src), len(arrays))
+    ops.kernel("elementwise", "copy_rows")(grid, (256,), ptrs=ptrs, row_words=words, src=s, dst=d,
+                                           A=len(arrays), R=len(src))
 
 
 def embedding(ops, ids, table):

@@ -194,6 +194,7 @@ class CudaOps:
 
     # -- the op families (each function takes this instance first) ----------------------------
     embedding = _elementwise.embedding
+    copy_rows = _elementwise.copy_rows
     rms_norm = _elementwise.rms_norm
     add_rms_norm = _elementwise.add_rms_norm
     silu_mul = _elementwise.silu_mul
