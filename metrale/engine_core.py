@@ -104,7 +104,10 @@ class EngineCore:
         # there), then the GDN verify rows of speculative decoding
         num_verify = self.speculation.verify_rows if self.speculation and self.hybrid else 0
         num_blocks = self._num_kv_blocks(spec, num_slots + num_verify)
-        self.caches = ModelCaches(spec, self.ops, num_blocks=num_blocks + 1,
+        # past the spare block: the KV blocks a self-speculative drafter writes its chains in
+        num_scratch = self.speculation.scratch_blocks_needed(self.config.block_size) \
+            if self.speculation else 0
+        self.caches = ModelCaches(spec, self.ops, num_blocks=num_blocks + 1 + num_scratch,
                                   block_size=self.config.block_size,
                                   num_state_slots=num_slots + 1 + num_verify,
                                   ssm_dtype=self.ssm_dtype)
@@ -117,6 +120,8 @@ class EngineCore:
         if self.speculation is not None:
             # a drafter with caches of its own (the MTP head's KV) sizes them like the main pool;
             # one that reads the target's hidden states has the runner keep them
+            self.speculation.give_scratch(range(num_blocks + 1, num_blocks + 1 + num_scratch),
+                                          self.runner.verify_rows)
             self.runner.keep_hidden = self.speculation.bind(self.caches, self.ops)
         self.runner.swap = self.swap
         self.eos_token_ids: frozenset[int] = frozenset()

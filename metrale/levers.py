@@ -82,6 +82,9 @@ LEVERS: dict[str, Lever] = {lv.name: lv for lv in (
           "drafts per verify by batch size, BATCH:DRAFTS pairs (e.g. 1:3,2:1,4:2,8:2,16:1): a "
           "step of B decoding sequences takes the entry of the largest BATCH <= B; empty = "
           "--num-drafts at every batch size"),
+    Lever("METRALE_SELF_SPEC_SKIP", str, "auto", "metrale/spec/self_spec.py",
+          "--self-speculative: the layers its drafts skip, comma-separated indices, auto "
+          "(every other layer of the middle half) or none (tests: the whole model drafts)"),
     Lever("METRALE_CUDA_POISON", str, "", "metrale/backends/cuda/ops.py",
           "1 = fill every new CUDA op output with NaN first (tests: catches unwritten outputs)"),
 )}

@@ -478,3 +478,43 @@ def test_verify_steps_padded_into_verify_buckets_give_the_same_tokens(arch, chec
     graphs = core.runner.verify_graphs = CpuVerifyGraphs(core)
     assert run(core, prompts, params, waves=3) == expected
     assert graphs.replayed > 0
+
+
+# -- self-speculation --------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_self_speculation_keeps_greedy_output(arch, checkpoints, plain):
+    prompts = make_prompts(5, seed=10)
+    params = greedy(20)
+    expected = plain(arch, prompts, params)
+    core = engine(checkpoints[arch], self_speculative=True, num_drafts=3)
+    assert core.speculation.method == "self-spec" and core.speculation.drafter.skip
+    assert run(core, prompts, params, waves=2) == expected
+    assert core.speculation.stats.draft_tokens > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "llama"])
+def test_self_speculation_with_no_layer_skipped_drafts_the_greedy_continuation(
+        arch, checkpoints, plain, monkeypatch):
+    """The machinery's own check: with every layer kept the drafter is the target, so (fp32, the
+    same context) its drafts are the target's greedy continuation and nearly all are kept; the
+    drafts' K/V writes and scratch GDN rows leave the output unchanged."""
+    monkeypatch.setenv("METRALE_SELF_SPEC_SKIP", "none")
+    prompts = make_prompts(4, seed=11)
+    params = greedy(24)
+    expected = plain(arch, prompts, params)
+    core = engine(checkpoints[arch], self_speculative=True, num_drafts=4, max_batch_size=2)
+    assert run(core, prompts, params, waves=2) == expected
+    st = core.speculation.stats
+    assert st.accepted_tokens >= 0.95 * st.draft_tokens > 0
+
+
+def test_self_spec_layer_choice():
+    from metrale.spec.self_spec import skipped_layers
+
+    assert skipped_layers("auto", 8) == (3, 5)
+    assert skipped_layers("none", 8) == ()
+    assert skipped_layers("1, 2", 4) == (1, 2)
+    with pytest.raises(ConfigError, match="indices"):
+        skipped_layers("0,1,2,3", 4)
+    with pytest.raises(ConfigError, match="indices"):
+        skipped_layers("x", 4)

@@ -105,8 +105,13 @@ class Speculation:
         if config.ngram_speculative:
             return "ngram", NgramDrafter()
         if config.self_speculative:
-            raise ConfigError("--self-speculative (the layer-skipping drafter) is not built yet: "
-                              "use --ngram-speculative, or --speculative --prompt-lookup-decoding")
+            from metrale.spec.self_spec import SelfSpecDrafter
+
+            if model is None:
+                raise ConfigError("--self-speculative drafts with the model itself")
+            k = max([config.num_drafts, *(k for _, k in parse_k_ladder(
+                levers.get("METRALE_MTP_K_LADDER")))])
+            return "self-spec", SelfSpecDrafter(model, k)
         mtp = getattr(model, "mtp", None) if model is not None else None
         if mtp is None:
             if config.prompt_lookup_decoding:
@@ -170,7 +175,16 @@ class Speculation:
     def release(self, request_id: str) -> None:
         self.drafter.release(request_id)
 
-    # -- drafters with state on the device (the MTP head) ----------------------------------
+    # -- drafters with state on the device (the MTP head, self-speculation) ------------------
+    def scratch_blocks_needed(self, block_size: int) -> int:
+        """KV blocks past the pool's the drafter writes its chains' K/V in."""
+        fn = getattr(self.drafter, "scratch_blocks_needed", None)
+        return int(fn(self.max_batch, block_size)) if fn is not None else 0
+
+    def give_scratch(self, blocks: range, state_rows: range) -> None:
+        if getattr(self.drafter, "needs_scratch", False):
+            self.drafter.scratch_blocks, self.drafter.state_rows = blocks, state_rows
+
     def bind(self, caches, ops) -> bool:
         """The engine's caches are allocated: a drafter that keeps caches of its own makes
         them now. True when the drafter reads the target's hidden states (the runner then

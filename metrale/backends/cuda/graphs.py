@@ -451,7 +451,10 @@ class StepBuckets:
         alloc = alloc or (lambda n: np.zeros(n, dtype=np.int32))
         self.block_size, self.spare_block, self.spare_slot = block_size, spare_block, spare_slot
         self.buckets: dict[int, StepInputs] = {}
-        cap = width * block_size            # a padding row's tokens must fit its block table
+        # a padding row's tokens must fit its block table; a verify bucket's padding rows hold
+        # one token each: its GDN layers walk each row's tokens one after another, and one
+        # row of 11 padding tokens beside a 5-token window took twice the window's time
+        cap = 1 if verify else width * block_size
         for tokens in step_buckets_for(max_tokens, VERIFY_BUCKETS if verify else STEP_BUCKETS):
             rows = step_rows(tokens, max_batch, cap)
             size = _layout_size(_step_layout(tokens, rows, width, tiles, verify))
