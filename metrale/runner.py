@@ -187,10 +187,7 @@ class ModelRunner:
             if not s.num_drafts:
                 sampled[s.request.request_id] = mine[0]
                 continue
-            drafts = s.request.draft_token_ids
-            a = 0
-            while a < s.num_drafts and mine[a].token_id == drafts[a]:
-                a += 1
+            a = self.accepted(s.request.draft_token_ids, s.num_drafts, mine)
             sampled[s.request.request_id] = SampledToken(
                 mine[a].token_id, mine[a].logprob, mine[a].top_logprobs, accepted=mine[:a])
             if a < s.num_drafts and s.state_slot in windows:
@@ -203,6 +200,15 @@ class ModelRunner:
                 self.caches.copy_state(src, dst)
         force_thinking_close(sampled, [s.request for s in sampling])
         return sampled
+
+    @staticmethod
+    def accepted(drafts, num_drafts: int, picks) -> int:
+        """Drafts kept: while each equals the sample of the row before it (perf/spec_bench.py
+        replaces this on its runner to force an acceptance rate)."""
+        a = 0
+        while a < num_drafts and picks[a].token_id == drafts[a]:
+            a += 1
+        return a
 
     def _forward(self, batch):
         """The eager forward of a host batch: logits, and with keep_hidden the hidden states

@@ -5,7 +5,14 @@
                      proposes it with each draft corrupted with probability 1 - p. tok/s for
                      every (p, drafts, C), against speculation off, with the verify step's time
                      over a decode step's. Synthetic weights of the real shapes on the GPU
-                     (perf/ladder.py's), tiny ones on the CPU.
+                     (perf/ladder.py's), tiny ones on the CPU. Random weights' logits are so
+                     flat that a verify row's bf16 rounding (other kernels than a decode row's)
+                     flips their argmax within a few tokens, after which no recorded draft
+                     matches: on the GPU (--force-acceptance, the default there) the verify's
+                     acceptance test itself is replaced by "each draft kept with probability p"
+                     (the emitted tokens are then the drafts, not the target's: a benchmark of
+                     the mechanics' cost only); the measured natural acceptance is reported
+                     beside it.
   --part real        real acceptance: the real SmolLM2-135M-Instruct (GGUF), prompt lookup and
                      n-gram against off, single stream, over a code-editing workload (the model
                      rewrites a source file of this repository with one small change) and a
@@ -113,7 +120,10 @@ def mechanics(args) -> dict:
             on.config.num_drafts = k
             for p in ps:
                 on.speculation.drafter = ReplayDrafter(ref["tokens"], p, vocab, seed=conc * 7 + k)
+                if args.force_acceptance:
+                    on.runner.accepted = _forced_acceptance(p, conc * 11 + k)
                 res = _run(on, {rid: prompts[rid] for rid in prompts}, params)
+                on.runner.__dict__.pop("accepted", None)
                 same = sum(res["tokens"][r] == ref["tokens"][r] for r in prompts)
                 row = dict(concurrency=conc, drafts=k, p=p, tok_s=res["tok_s"],
                            off_tok_s=ref["tok_s"], speedup=res["tok_s"] / ref["tok_s"],
@@ -128,7 +138,23 @@ def mechanics(args) -> dict:
                       f"  step {res['step_p50_ms'] or 0:7.2f} ms  accepted {row['acceptance'] or 0:5.2f}"
                       f"  len {row['mean_accepted_length'] or 0:4.2f}  same {same}/{conc}", flush=True)
     return dict(benchmark="spec_mechanics", isl=args.isl, osl=args.osl, weights=args.weights,
-                spec_max_batch=args.spec_max_batch, rungs=rows)
+                spec_max_batch=args.spec_max_batch, forced_acceptance=args.force_acceptance,
+                rungs=rows)
+
+
+def _forced_acceptance(p: float, seed: int):
+    """ModelRunner.accepted for --force-acceptance: each draft kept with probability p (the
+    chain stops at the first one not kept), whatever the target's rows say."""
+    rng = np.random.default_rng(seed)
+
+    def accepted(drafts, num_drafts, picks):
+        a = 0
+        while a < num_drafts and rng.random() < p:
+            a += 1
+        for j in range(a):          # the emitted tokens are then the kept drafts
+            picks[j].token_id = drafts[j]
+        return a
+    return accepted
 
 
 CODE_FILE = "metrale/ratelimit.py"
@@ -184,11 +210,14 @@ def real(args) -> dict:
                 res = ref if name == "off" else _run(core, {rid: ids}, params)
                 spec.enabled = True
                 res["same"] = res["tokens"][rid] == ref["tokens"][rid]
+                if not res["same"]:     # where, and how close a call the target made there
+                    res["divergence"] = _divergence(core, ids, ref["tokens"][rid], res["tokens"][rid])
                 res_all.append(res)
             tok = sum(sum(len(v) for v in r["tokens"].values()) for r in res_all)
             wall = sum(r["wall_s"] for r in res_all)
             row = dict(workload=workload, method=name, tok_s=tok / wall, tokens=tok,
-                       identical_greedy_text=all(r["same"] for r in res_all))
+                       identical_greedy_text=all(r["same"] for r in res_all),
+                       divergences=[r["divergence"] for r in res_all if "divergence" in r])
             if name != "off":
                 d = sum(r["draft_tokens"] for r in res_all)
                 a = sum(r["accepted_tokens"] for r in res_all)
@@ -202,10 +231,27 @@ def real(args) -> dict:
             if r["workload"] == workload:
                 r["speedup"] = r["tok_s"] / off["tok_s"]
                 print(f"{workload:10s} {r['method']:14s} {r['tok_s']:9.1f} tok/s  x{r['speedup']:5.2f}  "
-                      f"len {r.get('mean_accepted_length') or 1:5.2f}  identical {r['identical_greedy_text']}",
-                      flush=True)
+                      f"len {r.get('mean_accepted_length') or 1:5.2f}  identical {r['identical_greedy_text']}"
+                      + "".join(f"  (diverges at {d['token']}/{d['of']}, top-2 gap {d['top2_gap']:.4f})"
+                                for d in r["divergences"]), flush=True)
     return dict(benchmark="spec_real", model=os.path.basename(args.model), code_file=CODE_FILE,
                 max_tokens=args.max_tokens, rows=rows)
+
+
+def _divergence(core, prompt, ref, got) -> dict:
+    """The first token where `got` leaves `ref` (greedy without speculation) and the top-1 /
+    top-2 gap of the target's logits there (an eager forward of the prefix: a near-tie, where
+    bf16 rounding of other kernels picks the other token, has a gap of a few 1e-2)."""
+    from metrale.forward import contiguous_batch
+
+    d = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+    ids = list(prompt) + list(ref[:d])
+    bs = core.config.block_size
+    batch = contiguous_batch([ids], [0], [list(range(-(-len(ids) // bs)))], [core._num_slots], bs)
+    logits = np.asarray(core.ops.to_numpy(core.model.forward(core.ops.upload_batch(batch),
+                                                             core.caches)))[-1].astype(np.float64)
+    top2 = np.sort(logits)[-2:]
+    return dict(token=d, of=len(ref), top2_gap=float(top2[1] - top2[0]))
 
 
 def main(argv=None) -> int:
@@ -219,6 +265,9 @@ def main(argv=None) -> int:
     ap.add_argument("--conc", default="1,8,32,64,128")
     ap.add_argument("--drafts", default="1,2,3,4", help="drafts per verify (K = drafts + 1)")
     ap.add_argument("--p", default="0,0.5,0.7,0.9,1")
+    ap.add_argument("--force-acceptance", type=int, default=None, choices=(0, 1),
+                    help="mechanics: keep each draft with probability p whatever the target "
+                         "computes (default 1 on cuda, 0 on cpu; see the module doc)")
     ap.add_argument("--spec-max-batch", type=int, default=32,
                     help="METRALE_SPEC_MAX_BATCH for the run (speculation off above it)")
     ap.add_argument("--model", help="--part real: the SmolLM2 GGUF")
@@ -226,6 +275,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ngram-drafts", type=int, default=4)
     ap.add_argument("--out", default="perf/results")
     args = ap.parse_args(argv)
+    if args.force_acceptance is None:
+        args.force_acceptance = int(args.device == "cuda")
     import ladder
     from metrale import records
 
