@@ -62,6 +62,35 @@ def pack_indices(const int[:] context_lens, const int[:] query_lens, const int[:
     return positions, slots, qsl, seq_lens
 
 
+cdef Py_ssize_t _fill_tokens(object s, int ctx, int q, int[:] ids, int[:] pos, int[:] slot,
+                             int[:, :] tab, Py_ssize_t i, Py_ssize_t t, int block_size,
+                             int[:] li, Py_ssize_t k, bint every_row):
+    """Sequence i's rows from token t: ids (its context's tokens, then its drafts), positions,
+    KV slots; each row's index into li from k when `every_row` (a verify). Returns the new k."""
+    cdef Py_ssize_t j, num_prompt, sink, dropped, ntok
+    cdef int p
+    req = s.request
+    prompt = req.prompt_token_ids
+    output = req.output_token_ids
+    num_prompt = len(prompt)
+    dropped = req.num_dropped_tokens
+    sink = req.num_sink_tokens if dropped else 0
+    ntok = num_prompt + len(output) - dropped
+    drafts = req.draft_token_ids
+    for j in range(q):
+        p = ctx + <int>j
+        if p < ntok:
+            ids[t + j] = _token_at(prompt, output, num_prompt, sink, dropped, p)
+        else:
+            ids[t + j] = drafts[p - ntok]
+        pos[t + j] = p
+        slot[t + j] = tab[i, p // block_size] * block_size + p % block_size
+        if every_row:
+            li[k] = <int>(t + j)
+            k += 1
+    return k
+
+
 def pack_batch(list seqs, int block_size):
     """ScheduledSeqs -> (input_ids, positions, query_start_loc, seq_lens, block_tables,
     slot_mapping, state_slots, logits_indices), int32, laid out as metrale.forward.ForwardBatch
@@ -69,7 +98,7 @@ def pack_batch(list seqs, int block_size):
     (`num_drafts` > 0: a speculative verify) adds them after its new token and projects every
     one of its rows to logits."""
     cdef Py_ssize_t B = len(seqs)
-    cdef Py_ssize_t i, j, t, T = 0, width = 0, n_sample = 0, L, nd, ntok
+    cdef Py_ssize_t i, j, t, T = 0, width = 0, n_sample = 0, L, nd, k = 0
     ctx_a = np.empty(B, dtype=np.int32)
     q_a = np.empty(B, dtype=np.int32)
     cdef int[:] ctx = ctx_a
@@ -83,17 +112,11 @@ def pack_batch(list seqs, int block_size):
         L = len(s.block_table)
         if L > width:
             width = L
-        if nd:
-            n_sample += q[i]
-        elif s.sample:
-            n_sample += 1
-    ids_a = np.empty(T, dtype=np.int32)
-    pos_a = np.empty(T, dtype=np.int32)
-    slot_a = np.empty(T, dtype=np.int32)
+        n_sample += q[i] if nd else (1 if s.sample else 0)
+    ids_a, pos_a, slot_a = (np.empty(T, dtype=np.int32) for _ in range(3))
     qsl_a = np.empty(B + 1, dtype=np.int32)
-    sl_a = np.empty(B, dtype=np.int32)
+    sl_a, st_a = np.empty(B, dtype=np.int32), np.empty(B, dtype=np.int32)
     tab_a = np.zeros((B, width), dtype=np.int32)
-    st_a = np.empty(B, dtype=np.int32)
     li_a = np.empty(n_sample, dtype=np.int32)
     cdef int[:] ids = ids_a
     cdef int[:] pos = pos_a
@@ -103,37 +126,16 @@ def pack_batch(list seqs, int block_size):
     cdef int[:, :] tab = tab_a
     cdef int[:] st = st_a
     cdef int[:] li = li_a
-    cdef Py_ssize_t num_prompt, sink, dropped, k = 0
-    cdef int p
     t = 0
     qsl[0] = 0
     for i in range(B):
         s = seqs[i]
-        req = s.request
         table = s.block_table
-        L = len(table)
-        for j in range(L):
+        for j in range(len(table)):
             tab[i, j] = table[j]
-        prompt = req.prompt_token_ids
-        output = req.output_token_ids
-        num_prompt = len(prompt)
-        dropped = req.num_dropped_tokens
-        sink = req.num_sink_tokens if dropped else 0
         nd = s.num_drafts
-        ntok = num_prompt + len(output) - dropped
-        drafts = req.draft_token_ids
-        for j in range(q[i]):
-            p = ctx[i] + <int>j
-            if p < ntok:
-                ids[t] = _token_at(prompt, output, num_prompt, sink, dropped, p)
-            else:
-                ids[t] = drafts[p - ntok]
-            pos[t] = p
-            slot[t] = tab[i, p // block_size] * block_size + p % block_size
-            if nd:
-                li[k] = <int>t
-                k += 1
-            t += 1
+        k = _fill_tokens(s, ctx[i], q[i], ids, pos, slot, tab, i, t, block_size, li, k, nd > 0)
+        t += q[i]
         qsl[i + 1] = <int>t
         sl[i] = ctx[i] + q[i]
         st[i] = s.state_slot
