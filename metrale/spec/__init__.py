@@ -27,6 +27,7 @@ from metrale import levers
 from metrale.config import ConfigError
 from metrale.request import Request
 from metrale.spec.drafters import NgramDrafter, PromptLookupDrafter
+from metrale.spec.mtp import MtpDrafter, check_quantization, default_drafts
 
 log = logging.getLogger("metrale.spec")
 
@@ -74,6 +75,10 @@ class Speculation:
     - none for requests the device's sampler cannot verify exactly (CUDA: repetition, presence
       or frequency penalties, whose counts would need the drafts) or under a thinking budget;
     - at most `verify_rows` drafts in one step (the GDN verify rows the state pool holds).
+
+    With the MTP drafter (`mtp`: alone, or prompt lookup's fallback), --num-drafts left at 1
+    means the model's MTP default (metrale.spec.mtp.MTP_DEFAULT_DRAFTS: 3 for Qwen3.5 / 3.6);
+    `num_drafts` is the value in force.
     """
 
     def __init__(self, config, model=None, on_cuda: bool = False):
@@ -83,16 +88,22 @@ class Speculation:
                                     config.max_batch_size))
         self.ladder = parse_k_ladder(levers.get("METRALE_MTP_K_LADDER"))
         self.method, self.drafter = self._make_drafter(config, model)
+        self.mtp = self.drafter if isinstance(self.drafter, MtpDrafter) else \
+            getattr(self.drafter, "fallback", None)
+        self.num_drafts = default_drafts(model, config.num_drafts) if self.mtp is not None \
+            else config.num_drafts
         lone = config.prompt_lookup_max_drafts if config.prompt_lookup_decoding else 0
-        batched = max([config.num_drafts, *(k for _, k in self.ladder)])
+        batched = max([self.num_drafts, *(k for _, k in self.ladder)])
         if config.prompt_lookup_decoding:
             batched = max(batched, PromptLookupDrafter.BATCH_CUT)
         self.max_drafts = max(lone, batched)
         self.verify_rows = max(lone, batched * self.max_batch)
+        if self.mtp is not None:
+            self.mtp.size(self.max_batch, batched)
         self.stats = SpecStats()
         self.enabled = True         # False: no drafts (benchmarks: the same engine without them)
         log.info("speculative decoding: %s, %d drafts per verify (%s), off above %d decoding "
-                 "sequences", self.method, config.num_drafts,
+                 "sequences", self.method, self.num_drafts,
                  "METRALE_MTP_K_LADDER " + ",".join(f"{b}:{k}" for b, k in self.ladder)
                  if self.ladder else "--num-drafts", self.max_batch)
 
@@ -120,14 +131,18 @@ class Speculation:
             raise ConfigError("--speculative drafts with the checkpoint's MTP head, and this "
                               "checkpoint has none (no mtp.* tensors): use --ngram-speculative, "
                               "or add --prompt-lookup-decoding to draft by copying context")
-        raise ConfigError("--speculative: the MTP drafter is not wired into the engine yet; use "
-                          "--ngram-speculative or --prompt-lookup-decoding")
+        check_quantization(mtp, config.mtp_quantization)
+        drafter = MtpDrafter(config, mtp)
+        if config.prompt_lookup_decoding:
+            # copies first; a round without one drafts with the head
+            return "prompt-lookup+mtp", PromptLookupDrafter(**pl, fallback=drafter)
+        return "mtp", drafter
 
     # -- per step ----------------------------------------------------------------------------
     def drafts_for_batch(self, n: int) -> int:
         if n > self.max_batch:
             return 0
-        k = self.config.num_drafts
+        k = self.num_drafts
         for b, dk in self.ladder:
             if b <= n:
                 k = dk
@@ -166,14 +181,17 @@ class Speculation:
         limits = []
         for r in decoding:
             room = r.sampling_params.max_tokens - r.num_output_tokens - 1
-            limit = self.max_drafts if self.method == "prompt-lookup" else k
+            limit = self.max_drafts if self.method.startswith("prompt-lookup") else k
             limits.append(max(0, min(limit, room, share)) if self.eligible(r) else 0)
         if len(decoding) > self.max_batch:
             limits = [0] * len(decoding)
+        if self.mtp is not None:    # prompt lookup's fallback gets its limits: cut to k
+            self.mtp.cap = k
         self.drafter.propose(decoding, limits)
 
     def release(self, request_id: str) -> None:
-        self.drafter.release(request_id)
+        for d in self._drafters():
+            d.release(request_id)
 
     # -- drafters with state on the device (the MTP head, self-speculation) ------------------
     def scratch_blocks_needed(self, block_size: int) -> int:
@@ -189,21 +207,32 @@ class Speculation:
         """The engine's caches are allocated: a drafter that keeps caches of its own makes
         them now. True when the drafter reads the target's hidden states (the runner then
         keeps them: ModelRunner.last_forward)."""
-        bind = getattr(self.drafter, "bind", None)
-        return bool(bind(caches, ops)) if bind is not None else False
+        bound = False
+        for d in self._drafters():
+            bind = getattr(d, "bind", None)
+            if bind is not None and bind(caches, ops):
+                bound = True
+        return bound
 
     def kv_bytes_per_block(self, block_size: int, dtype) -> int:
         """KV bytes the drafter's own caches add per KV block of the main pool."""
-        fn = getattr(self.drafter, "kv_bytes_per_block", None)
-        return int(fn(block_size, dtype)) if fn is not None else 0
+        fns = [getattr(d, "kv_bytes_per_block", None) for d in self._drafters()]
+        return sum(int(fn(block_size, dtype)) for fn in fns if fn is not None)
 
     def after_step(self, out, emitted, forward) -> None:
         """A step finished (the scheduler has committed `emitted`): a drafter that follows
         the target (the MTP head) catches up on the positions it computed. `forward` is the
         runner's (batch, hidden states) of the step, or None."""
-        observe = getattr(self.drafter, "observe", None)
-        if observe is not None:
-            observe(out, emitted, forward)
+        for d in self._drafters():
+            observe = getattr(d, "observe", None)
+            if observe is not None:
+                observe(out, emitted, forward)
+
+    def _drafters(self) -> list:
+        """The drafter, and the MTP drafter when it is prompt lookup's fallback (the MTP head
+        follows the target whoever drafts; tests may swap `drafter` for another)."""
+        return [self.drafter] + ([self.mtp] if self.mtp is not None and self.mtp is not self.drafter
+                                 else [])
 
     def record(self, out, sampled) -> None:
         """Count the verifies of a finished step (`sampled`: request id -> emitted tokens)."""
