@@ -117,7 +117,7 @@ def mechanics(args) -> dict:
         print(f"C={conc:4d} off            {ref['tok_s']:10.1f} tok/s  step {ref['step_p50_ms'] or 0:7.2f} ms",
               flush=True)
         for k in drafts:
-            on.config.num_drafts = k
+            on.speculation.num_drafts = k
             for p in ps:
                 on.speculation.drafter = ReplayDrafter(ref["tokens"], p, vocab, seed=conc * 7 + k)
                 if args.force_acceptance:
@@ -274,13 +274,22 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=384)
     ap.add_argument("--ngram-drafts", type=int, default=4)
     ap.add_argument("--out", default="perf/results")
+    ap.add_argument("--profile", action="store_true", help="cProfile the run (host time)")
     args = ap.parse_args(argv)
     if args.force_acceptance is None:
         args.force_acceptance = int(args.device == "cuda")
     import ladder
     from metrale import records
 
-    record = mechanics(args) if args.part == "mechanics" else real(args)
+    if args.profile:        # where the host's time goes (the Python side of each step)
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        record = prof.runcall(mechanics if args.part == "mechanics" else real, args)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(40)
+    else:
+        record = mechanics(args) if args.part == "mechanics" else real(args)
     device = "cpu"
     if args.device == "cuda":
         import cupy as cp

@@ -116,8 +116,10 @@ def test_greedy_with_drafts_agrees_until_a_near_tie(arch, p, checkpoints):
     st = core.speculation.stats
     print(f"{arch} p={p}: {identical}/{len(ps)} identical, acceptance "
           f"{st.accepted_tokens}/{st.draft_tokens}, mean accepted length {st.mean_accepted_length:.2f}")
+    # every divergence is a near-tie (checked above); the random tiny llama's bf16 logits have
+    # many (the H200 run of 4c00b6c: 1 of 6 identical at p = 1, each split a near-tie)
     assert st.accepted_tokens > 0
-    assert identical >= len(ps) // 2
+    assert all(got[r][:1] == ref[r][:1] for r in ps)
 
 
 def test_eager_verify_above_the_verify_buckets(checkpoints):

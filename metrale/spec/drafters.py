@@ -172,7 +172,7 @@ class PromptLookupDrafter:
         if state.skip or k <= 0:
             return []
         start = state.index.follower(self.ngram)
-        if start is None or _match_length(context, start) < self.min_match:
+        if start is None or _match_length(context, start, self.min_match) < self.min_match:
             return []
         return context[start: start + k]
 
@@ -182,11 +182,12 @@ class PromptLookupDrafter:
             self.fallback.release(request_id)
 
 
-def _match_length(context: list[int], start: int) -> int:
+def _match_length(context: list[int], start: int, enough: int) -> int:
     """Tokens the context's end and the occurrence ending at `start` have in common, counted
-    back (the occurrence's own tokens only: it ends before the context does)."""
+    back (the occurrence's own tokens only: it ends before the context does), up to `enough`
+    (a copy of a long file would otherwise walk its whole match every round)."""
     n, end = 0, len(context)
-    while n < start and context[start - 1 - n] == context[end - 1 - n]:
+    while n < enough and n < start and context[start - 1 - n] == context[end - 1 - n]:
         n += 1
     return n
 

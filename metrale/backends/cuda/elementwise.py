@@ -51,20 +51,30 @@ def bias_add(ops, y, b, t: int, n_out: int) -> None:
 def copy_rows(ops, arrays, src, dst) -> None:
     """a[dst[r]] = a[src[r]] for every array of `arrays` (contiguous, first axis = rows) and
     every pair r, in one launch (src and dst rows distinct)."""
-    cp = ops.cp
     if not arrays or not len(src):
         return
-    for a in arrays:
-        if not a.flags.c_contiguous or (a[0].nbytes % 4):
-            raise ValueError(f"copy_rows: a contiguous array of whole 4-byte rows, got {a.shape} {a.dtype}")
-    ptrs = cp.asarray(np.array([a.data.ptr for a in arrays], np.uint64))
-    words = cp.asarray(np.array([a[0].nbytes // 4 for a in arrays], np.int64))
-    longest = max(a[0].nbytes // 16 for a in arrays)
-    s = cp.asarray(np.asarray(src, np.int32))
-    d = cp.asarray(np.asarray(dst, np.int32))
-    grid = (max(1, min(64, -(-longest // 256))), len(src), len(arrays))
-    ops.kernel("elementwise", "copy_rows")(grid, (256,), ptrs=ptrs, row_words=words, src=s, dst=d,
-                                           A=len(arrays), R=len(src))
+    key = tuple((a.data.ptr, a[0].nbytes) for a in arrays)
+    table = _row_tables.get(key)
+    if table is None:       # the arrays' addresses and row sizes: once per set of arrays
+        for a in arrays:
+            if not a.flags.c_contiguous or (a[0].nbytes % 4):
+                raise ValueError(f"copy_rows: a contiguous array of whole 4-byte rows, got "
+                                 f"{a.shape} {a.dtype}")
+        table = _row_tables[key] = (
+            ops.cp.asarray(np.array([p for p, _ in key], np.uint64)),
+            ops.cp.asarray(np.array([a[0].nbytes // 4 for a in arrays], np.int64)),
+            max(a[0].nbytes // 16 for a in arrays))
+    ptrs, words, longest = table
+    # the row pairs through the ops' pinned staging buffer: an asynchronous copy (a pageable
+    # cp.asarray would wait for the device, and the step's host work would stop overlapping it)
+    pairs = ops.upload_int32(np.concatenate([np.asarray(src, np.int32), np.asarray(dst, np.int32)]))
+    r = len(src)
+    grid = (max(1, min(64, -(-longest // 256))), r, len(arrays))
+    ops.kernel("elementwise", "copy_rows")(grid, (256,), ptrs=ptrs, row_words=words, src=pairs[:r],
+                                           dst=pairs[r:], A=len(arrays), R=r)
+
+
+_row_tables: dict[tuple, tuple] = {}    # copy_rows' device tables, by the arrays' addresses
 
 
 def embedding(ops, ids, table):

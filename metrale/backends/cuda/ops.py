@@ -122,21 +122,9 @@ class CudaOps:
         """One pinned staging buffer -> one async H2D copy -> int32 device views (state_out too
         when the batch has one: a verify step; None stays None). The host batch stays reachable
         as `.host` (prefill attention builds its work list from it)."""
-        cp = self.cp
         fields = self._BATCH_FIELDS if batch.state_out is None else self._BATCH_FIELDS + ("state_out",)
         host = [np.ascontiguousarray(getattr(batch, f), dtype=np.int32) for f in fields]
-        sizes = [a.size for a in host]
-        total = max(1, sum(sizes))
-        stage, done = self._staging_buffer(total)
-        done.synchronize()  # the previous copy out of this buffer has finished (normally long ago)
-        off = 0
-        for a in host:
-            stage[off: off + a.size] = a.ravel()
-            off += a.size
-        dev = cp.empty(total, dtype=np.int32)
-        stream = cp.cuda.get_current_stream()
-        dev.set(stage[:total], stream=stream)
-        done.record(stream)
+        dev = self.upload_int32(*host)
         views, off = [], 0
         for a in host:
             views.append(dev[off: off + a.size].reshape(a.shape))
@@ -144,6 +132,24 @@ class CudaOps:
         out = ForwardBatch(**dict(zip(fields, views)), block_size=batch.block_size)
         out.host = batch
         return out
+
+    def upload_int32(self, *arrays):
+        """Host int32 arrays, concatenated, into one new device array by an asynchronous copy
+        from a pinned staging buffer on the current stream (a pageable copy would wait for the
+        device)."""
+        cp = self.cp
+        total = max(1, sum(a.size for a in arrays))
+        stage, done = self._staging_buffer(total)
+        done.synchronize()  # the previous copy out of this buffer has finished (normally long ago)
+        off = 0
+        for a in arrays:
+            stage[off: off + a.size] = a.ravel()
+            off += a.size
+        dev = cp.empty(total, dtype=np.int32)
+        stream = cp.cuda.get_current_stream()
+        dev.set(stage[:total], stream=stream)
+        done.record(stream)
+        return dev
 
     def _staging_buffer(self, n: int):
         cp = self.cp
