@@ -124,7 +124,7 @@ for shape in ${SPEC_MECH:-}; do
 done
 if [ -n "${SPEC_REAL:-}" ]; then
   echo "== speculative decoding on the real SmolLM2"
-  "$PY" perf/spec_bench.py --part real --model "${SMOLLM2_GGUF:?SPEC_REAL needs SMOLLM2_GGUF}" --out "$OUTDIR" ${SPEC_PROFILE:+--profile} 2>  "$PY" perf/spec_bench.py --part real --model "${SMOLLM2_GGUF:?SPEC_REAL needs SMOLLM2_GGUF}" --out "$OUTDIR" 2>&1 \1 \
+  "$PY" perf/spec_bench.py --part real --model "${SMOLLM2_GGUF:?SPEC_REAL needs SMOLLM2_GGUF}" --out "$OUTDIR" ${SPEC_PROFILE:+--profile} 2>&1 \
     | tee "$OUTDIR/spec_real.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
