@@ -261,6 +261,23 @@ class ModelRunner:
         (output tokens + j) in the sequence's slot, so its Philox draw is the one decoding
         would have made there. Verified requests have no penalties (metrale.spec), so the
         slot's counts are not read."""
+        params, steps, slots = self._gpu_inputs(seqs)
+        counts = np.array([1 + s.num_drafts for s in seqs])
+        offsets = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
+        return self._gpu_sample(logits, [r.sampling_params for r, _ in rows],
+                                np.repeat(steps, counts) + offsets, np.repeat(slots, counts),
+                                before_wait)
+
+    def _sample_gpu(self, logits, seqs, before_wait=None) -> dict[str, SampledToken]:
+        """Sample on the device (one device->host copy of the chosen ids); penalty counts live
+        in the sampler's row of the sequence's slot."""
+        params, steps, slots = self._gpu_inputs(seqs)
+        picks = self._gpu_sample(logits, params, steps, slots, before_wait)
+        return {s.request.request_id: t for s, t in zip(seqs, picks)}
+
+    def _gpu_inputs(self, seqs):
+        """(params, steps, slots) of the sampling sequences; a request new to its slot begins
+        there first (its penalty counts and seed)."""
         params, steps, slots, fresh = sample_inputs(seqs, self._sampler_slot)
         for i in fresh:
             s = seqs[i]
@@ -268,47 +285,22 @@ class ModelRunner:
             if self._sampler_slot.get(r.request_id) != s.state_slot:
                 self.gpu_sampler.begin(s.state_slot, r.prompt_token_ids)
                 self._sampler_slot[r.request_id] = s.state_slot
-        counts = np.array([1 + s.num_drafts for s in seqs])
-        offsets = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
-        row_params = [r.sampling_params for r, _ in rows]
-        want_lp = any(p.logprobs is not None for p in row_params)
-        res = self.gpu_sampler.sample(logits, row_params, np.repeat(steps, counts) + offsets,
-                                      slots=np.repeat(slots, counts), logprobs=want_lp,
+        return params, steps, slots
+
+    def _gpu_sample(self, logits, params, steps, slots, before_wait) -> list[SampledToken]:
+        want_lp = any(p.logprobs is not None for p in params)
+        res = self.gpu_sampler.sample(logits, params, steps, slots=slots, logprobs=want_lp,
                                       before_wait=before_wait)
         if not want_lp:
             return [SampledToken(t) for t in res.tolist()]
         picks = []
-        for i, p in enumerate(row_params):
+        for i, p in enumerate(params):
             k = p.logprobs
             top = None if k is None else [
                 (int(t), float(lp)) for t, lp in zip(res.top_ids[i][:k], res.top_logprobs[i][:k])]
             picks.append(SampledToken(int(res.tokens[i]),
                                       None if k is None else float(res.logprobs[i]), top))
         return picks
-
-    def _sample_gpu(self, logits, seqs, before_wait=None) -> dict[str, SampledToken]:
-        """Sample on the device (one device->host copy of the chosen ids); penalty counts live
-        in the sampler's row of the sequence's slot."""
-        params, steps, slots, fresh = sample_inputs(seqs, self._sampler_slot)
-        for i in fresh:
-            s = seqs[i]
-            r = s.request
-            if self._sampler_slot.get(r.request_id) != s.state_slot:
-                self.gpu_sampler.begin(s.state_slot, r.prompt_token_ids)
-                self._sampler_slot[r.request_id] = s.state_slot
-        want_lp = any(p.logprobs is not None for p in params)
-        res = self.gpu_sampler.sample(logits, params, steps, slots=slots, logprobs=want_lp,
-                                      before_wait=before_wait)
-        if not want_lp:
-            return {s.request.request_id: SampledToken(t) for s, t in zip(seqs, res.tolist())}
-        sampled = {}
-        for i, s in enumerate(seqs):
-            k = s.request.sampling_params.logprobs
-            top = None if k is None else [
-                (int(t), float(lp)) for t, lp in zip(res.top_ids[i][:k], res.top_logprobs[i][:k])]
-            sampled[s.request.request_id] = SampledToken(
-                int(res.tokens[i]), None if k is None else float(res.logprobs[i]), top)
-        return sampled
 
     def _sample(self, logits: np.ndarray, requests) -> dict[str, SampledToken]:
         logits = np.asarray(logits, dtype=np.float32)

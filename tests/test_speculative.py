@@ -518,3 +518,61 @@ def test_self_spec_layer_choice():
         skipped_layers("0,1,2,3", 4)
     with pytest.raises(ConfigError, match="indices"):
         skipped_layers("x", 4)
+
+
+class _ArgmaxDeviceSampler:
+    """A stand-in for metrale.backends.cuda.sampling.GpuSampler on the CPU backend (greedy
+    rows: the argmax; logprobs of the chosen token and the top ones from a log-softmax), so the
+    runner's device-sampler paths (decode and verify rows) run without a GPU."""
+
+    def __init__(self):
+        self.begun, self.calls = [], []
+
+    def begin(self, slot, prompt_ids=()):
+        self.begun.append(slot)
+
+    def sample(self, logits, params, steps, slots=None, logprobs=False, before_wait=None):
+        from metrale.backends.cuda.sampling import SampleResult
+
+        if before_wait is not None:
+            before_wait()
+        x = np.asarray(logits, np.float64)
+        self.calls.append((len(params), list(np.asarray(steps)), list(np.asarray(slots))))
+        toks = x.argmax(-1).astype(np.int32)
+        if not logprobs:
+            return toks
+        lsm = x - x.max(-1, keepdims=True)
+        lsm -= np.log(np.exp(lsm).sum(-1, keepdims=True))
+        top = np.argsort(-lsm, axis=-1)[:, :5]
+        return SampleResult(tokens=toks, logprobs=lsm[np.arange(len(toks)), toks].astype(np.float32),
+                            top_ids=top, top_logprobs=np.take_along_axis(lsm, top, -1).astype(np.float32))
+
+
+def test_device_sampler_paths_of_decode_and_verify_steps(checkpoints, plain):
+    """The runner's device-sampler code (ModelRunner._sample_gpu for decode steps,
+    _sample_rows_gpu for verify rows: step = output tokens + row, the sequence's slot) with a
+    stand-in sampler: the same greedy tokens and logprobs as the host sampler's."""
+    prompts = make_prompts(4, seed=12)
+    params = greedy(12, logprobs=2)
+    expected = plain("llama", prompts, greedy(12))
+    core = with_replay(engine(checkpoints["llama"], drafts=3), expected, 1.0)
+    core.runner.gpu_sampler = fake = _ArgmaxDeviceSampler()
+    from metrale.request import Request as R
+
+    outs, lps = {r: [] for r in prompts}, {r: [] for r in prompts}
+    for rid, ids in prompts.items():
+        core.add_request(R(rid, list(ids), params))
+    while core.has_unfinished():
+        for o in core.step():
+            outs[o.request_id] += o.new_token_ids
+            lps[o.request_id] += [lp.logprob for lp in o.new_logprobs]
+    assert outs == expected
+    assert all(len(lps[r]) == len(outs[r]) and all(v <= 0 for v in lps[r]) for r in prompts)
+    assert len(fake.begun) == len(prompts)      # each request began in its slot once
+    verify_calls = [c for c in fake.calls if c[0] > len(set(c[2]))]
+    assert verify_calls, "no verify rows went through the device sampler"
+    n, steps, slots = verify_calls[0]
+    # rows of one sequence: consecutive steps in one slot
+    for i in range(1, n):
+        if slots[i] == slots[i - 1]:
+            assert steps[i] == steps[i - 1] + 1
