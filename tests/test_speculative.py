@@ -576,3 +576,31 @@ def test_device_sampler_paths_of_decode_and_verify_steps(checkpoints, plain):
     for i in range(1, n):
         if slots[i] == slots[i - 1]:
             assert steps[i] == steps[i - 1] + 1
+
+
+def test_logprobs_of_verified_tokens_are_the_targets(checkpoints):
+    """Tokens emitted by a verify carry the logprobs of the row that chose them: the same as
+    decoding gives (host sampler, fp32)."""
+    prompts = make_prompts(3, seed=13)
+    params = greedy(10, logprobs=3)
+
+    def collect(core):
+        from metrale.request import Request as R
+
+        toks, lps = {r: [] for r in prompts}, {r: [] for r in prompts}
+        for rid, ids in prompts.items():
+            core.add_request(R(rid, list(ids), params))
+        while core.has_unfinished():
+            for o in core.step():
+                toks[o.request_id] += o.new_token_ids
+                lps[o.request_id] += [(lp.logprob, lp.top_logprobs) for lp in o.new_logprobs]
+        return toks, lps
+
+    ref_toks, ref_lps = collect(engine(checkpoints["qwen3_5"]))
+    core = with_replay(engine(checkpoints["qwen3_5"], drafts=3), ref_toks, 1.0)
+    toks, lps = collect(core)
+    assert toks == ref_toks and core.speculation.stats.accepted_tokens > 0
+    for rid in prompts:
+        assert len(lps[rid]) == len(ref_lps[rid])
+        for (a, ta), (b, tb) in zip(lps[rid], ref_lps[rid]):
+            assert abs(a - b) <= 1e-4 and [t for t, _ in ta] == [t for t, _ in tb]
