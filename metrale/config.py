@@ -138,10 +138,12 @@ class EngineConfig:
             if self.speculative:
                 raise ConfigError("--dflash conflicts with --speculative")
             raise ConfigError(
-                "--dflash (DFlash: a block-diffusion draft model conditioned on the target's "
-                "hidden states, drafting a block of tokens in one pass) needs a trained DFlash "
-                "draft checkpoint next to the target, which this build cannot load: use "
-                "--speculative (MTP), --prompt-lookup-decoding or --ngram-speculative")
+                "--dflash (DFlash, Chen, Liang and Liu, z-lab.ai/projects/dflash: a separately "
+                "trained block-diffusion draft model, conditioned on the target's hidden "
+                "features, that drafts a block of tokens in one forward pass) needs its draft "
+                "checkpoint (z-lab/<model>-DFlash, a trust-remote-code architecture), which this "
+                "build does not load: use --speculative (MTP), --prompt-lookup-decoding or "
+                "--ngram-speculative")
         if self.prompt_lookup_decoding:
             if not self.speculative:
                 raise ConfigError("--prompt-lookup-decoding requires --speculative")
