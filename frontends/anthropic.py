@@ -158,7 +158,7 @@ def _usage(openai_usage: dict) -> dict:
 
 class Messages(GenerateRoute):
     async def on_post(self, req, resp):
-        info = self.worker.ready()
+        info = await self.worker.ready_soon()
         body = await read_json(req, self.worker.settings)
         mreq = schema.parse_messages_request(body, served=info["name"])
         p = await asyncio.to_thread(_prepare, self.worker, mreq)     # templating + tokenizing
@@ -203,7 +203,7 @@ class Messages(GenerateRoute):
 
 class CountTokens(GenerateRoute):
     async def on_post(self, req, resp):
-        info = self.worker.ready()
+        info = await self.worker.ready_soon()
         body = await read_json(req, self.worker.settings)
         mreq = schema.parse_messages_request(body, count_only=True, served=info["name"])
         p = await asyncio.to_thread(_prepare, self.worker, mreq)

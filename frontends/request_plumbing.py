@@ -45,7 +45,7 @@ class Resource:
 
     async def _object_body(self, req) -> tuple[dict, dict]:
         """(model info, the request's JSON object) for a route that names the served model."""
-        info = self.worker.ready()
+        info = await self.worker.ready_soon()
         body = await read_json(req, self.worker.settings)
         if not isinstance(body, dict):
             raise errors.invalid("the request body must be a JSON object")
@@ -54,7 +54,7 @@ class Resource:
 
     async def _parsed(self, req, parse):
         """The request body through `parse` (a schema parser), its model checked."""
-        info = self.worker.ready()
+        info = await self.worker.ready_soon()
         parsed = parse(await read_json(req, self.worker.settings))
         schema.check_model(parsed.model, info["name"])
         return parsed

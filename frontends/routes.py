@@ -84,7 +84,7 @@ class Metrics(Resource):
 
 class Models(Resource):
     async def on_get(self, req, resp):
-        info = self.worker.ready()
+        info = await self.worker.ready_soon()
         json_response(resp, schema.model_list(info["name"], int(info.get("created", 0)),
                                       info["max_seq_len"]))
 

@@ -34,6 +34,7 @@ log = logging.getLogger("metrale.frontend")
 
 MODEL_INFO_RETRY_S = 0.5
 MODEL_INFO_TIMEOUT_S = 1.0     # per model_info attempt while the engine loads or restarts
+FIRST_READY_WAIT_S = 15.0      # a request waits this long for a starting worker's first model_info
 PROBE_TIMEOUT_S = 2.0
 
 
@@ -75,6 +76,7 @@ class Worker:
         self.template: ChatTemplate | None = None
         self.max_prompt_bytes = 0        # more UTF-8 than this cannot fit the context (_use)
         self._loader: asyncio.Task | None = None
+        self._ever_ready = False
         self._key_digests = [_digest(t) for t in settings.auth_tokens]
 
     async def startup(self) -> None:
@@ -106,6 +108,7 @@ class Worker:
             while not await self._probe():
                 pass
             self.ready_info = info
+            self._ever_ready = True
             log.info("frontend ready for %s", info.get("name"))
             return
 
@@ -136,6 +139,21 @@ class Worker:
         if self.ready_info is None:
             raise errors.engine_unavailable("the model is still loading")
         return self.ready_info
+
+    async def ready_soon(self) -> dict:
+        """ready() for a client request: a worker that has never been ready yet, while its
+        first model_info is on the way, lets the request wait for it (up to FIRST_READY_WAIT_S)
+        instead of answering 503. The workers of a server become ready one at a time, a second
+        or so apart, so a client that saw /health answer 200 from one worker would otherwise
+        get 503 from the next. After an engine restart the 503 + Retry-After is immediate."""
+        loader = self._loader
+        if self.ready_info is None and not self._ever_ready and loader is not None \
+                and not loader.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(loader), FIRST_READY_WAIT_S)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                pass
+        return self.ready()
 
     # -- auth and rate limits -------------------------------------------------------------------
     def api_key(self, req) -> str | None:

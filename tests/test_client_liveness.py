@@ -134,3 +134,48 @@ def test_a_vanished_engine_fails_the_open_request_within_seconds(tmp_path):
         proc.wait(10)
     assert [(d.finish_reason, d.error_status) for d in deltas] == [("error", 503)]
     assert seconds < 8, seconds
+
+
+def test_a_starting_worker_lets_requests_wait_for_its_first_model_info(monkeypatch):
+    """The workers of a server become ready one at a time: a request reaching one that has not
+    received its first model_info yet waits for it (Worker.ready_soon) instead of a 503; once a
+    worker has been ready, an engine restart answers 503 at once; a worker that never gets one
+    answers 503 after FIRST_READY_WAIT_S."""
+    from frontends import worker as w
+    from metrale.api.errors import APIError
+
+    async def scenario():
+        wk = w.Worker(w.FrontendSettings(engine={}))
+        info = {"name": "m"}
+
+        async def loader():
+            await asyncio.sleep(0.3)
+            wk.ready_info, wk._ever_ready = info, True
+
+        wk._loader = asyncio.get_running_loop().create_task(loader())
+        t0 = time.monotonic()
+        assert await wk.ready_soon() is info
+        assert 0.25 < time.monotonic() - t0 < 5
+        wk.ready_info = None                    # the engine restarts: no waiting now
+        wk._loader = asyncio.get_running_loop().create_task(asyncio.sleep(10))
+        t0 = time.monotonic()
+        try:
+            await wk.ready_soon()
+            raise AssertionError("expected a 503")
+        except APIError as e:
+            assert e.status == 503
+        assert time.monotonic() - t0 < 0.1
+        wk._loader.cancel()
+        monkeypatch.setattr(w, "FIRST_READY_WAIT_S", 0.2)
+        fresh = w.Worker(w.FrontendSettings(engine={}))
+        fresh._loader = asyncio.get_running_loop().create_task(asyncio.sleep(10))
+        t0 = time.monotonic()
+        try:
+            await fresh.ready_soon()
+            raise AssertionError("expected a 503")
+        except APIError as e:
+            assert e.status == 503
+        assert 0.15 < time.monotonic() - t0 < 2
+        fresh._loader.cancel()
+
+    asyncio.run(scenario())
