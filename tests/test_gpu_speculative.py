@@ -206,3 +206,24 @@ def test_copy_rows_copies_every_array_and_pair_in_one_launch():
         want = h.copy()
         want[dst] = h[src]
         np.testing.assert_array_equal(cp.asnumpy(d), want)
+
+
+def test_mtp_drafter_on_the_gpu(tmp_path):
+    """--speculative with the checkpoint's MTP head (tiny qwen3_5 with random mtp.* tensors;
+    every forward eager while the head follows the target): greedy output as the same engine
+    gives it without drafts, up to near-ties; the head's drafts are verified."""
+    from metrale.models.loader import load_checkpoint
+    from test_gpu_models import GDN_SHAPES, GPU_SHAPES
+    from tiny_models import add_mtp
+
+    path = add_mtp(make_tiny("qwen3_5", tmp_path / "q", dtype="bfloat16", seed=11,
+                             **dict(GPU_SHAPES, **GDN_SHAPES)))
+    core = engine(load_checkpoint(path), speculative=True, num_drafts=3)
+    assert core.speculation.method == "mtp" and core.runner.keep_hidden
+    ps = prompts(4, seed=6)
+    core.speculation.enabled = False
+    ref = run(core, ps, greedy(24))
+    core.speculation.enabled = True
+    got = run(core, ps, greedy(24))
+    assert assert_agree_until_near_tie(core, ps, ref, got) >= 1
+    assert core.speculation.stats.draft_tokens > 0
