@@ -123,7 +123,7 @@ TOOL_CASES = [
 ]
 
 SMOLLM2_PROMPTS = ["What is the capital of France?", "Write a haiku about rain.",
-                   "List three prime numbers.", "Explain what a tokenizer does in one sentence."]
+                   "What is the weather in Paris? Use a tool if you have one."]
 
 
 @dataclass
@@ -579,13 +579,15 @@ def run_smollm2(checks, args, work: Path) -> list[Result]:
             results.append(_smollm2_determinism(srv))
         if "leakage" in checks:
             leaks, n = [], 0
-            for prompt in SMOLLM2_PROMPTS:
-                for tools in (None, TOOLS):
-                    choice = _chat(srv, prompt, tools=tools, max_tokens=48)
-                    n += 1
-                    found = find_leaks((choice.get("message") or {}).get("content"))
-                    if found:
-                        leaks.append(f"{prompt!r}{' (tools)' if tools else ''}: {found}")
+            # every prompt plain, the last (a tool-shaped question) with the tools too: a
+            # tools request renders a long system prompt, slow on a busy CPU
+            asks = [(p, None) for p in SMOLLM2_PROMPTS] + [(SMOLLM2_PROMPTS[-1], TOOLS)]
+            for prompt, tools in asks:
+                choice = _chat(srv, prompt, tools=tools, max_tokens=24)
+                n += 1
+                found = find_leaks((choice.get("message") or {}).get("content"))
+                if found:
+                    leaks.append(f"{prompt!r}{' (tools)' if tools else ''}: {found}")
             results.append(Result("smollm2", "leakage", _ok(not leaks),
                                   "; ".join(leaks) or f"{n} chat replies (bare_json parser), "
                                                       "content clean"))
@@ -595,7 +597,7 @@ def run_smollm2(checks, args, work: Path) -> list[Result]:
 
 
 def _completion(srv: Served, prompt: str) -> str:
-    body = {"model": "gate", "prompt": prompt, "max_tokens": 32, "temperature": 0,
+    body = {"model": "gate", "prompt": prompt, "max_tokens": 16, "temperature": 0,
             "ignore_eos": True}
     return srv.post("/v1/completions", body)["choices"][0]["text"]
 
@@ -603,7 +605,7 @@ def _completion(srv: Served, prompt: str) -> str:
 def _smollm2_determinism(srv: Served) -> Result:
     probe = "The three most important ideas in computer science are"
     alone = [_completion(srv, probe), _completion(srv, probe)]
-    batch = [probe, SMOLLM2_PROMPTS[0], probe, SMOLLM2_PROMPTS[1], SMOLLM2_PROMPTS[2]]
+    batch = [probe, SMOLLM2_PROMPTS[0], probe]
     with concurrent.futures.ThreadPoolExecutor(len(batch)) as pool:
         together = list(pool.map(lambda p: _completion(srv, p), batch))
     fails = []
@@ -763,16 +765,22 @@ def run_gate(args) -> int:
     with tempfile.TemporaryDirectory(prefix="metrale-gate-") as tmp:
         work = Path(tmp)
         runners = {"tiny": run_tiny, "scripted": run_scripted, "smollm2": run_smollm2}
+        seconds = {}
         for m in models:
+            t0 = time.perf_counter()
             try:
                 results += runners[m](checks, args, work)
             except Exception as e:  # noqa: BLE001 - the gate reports, it does not crash
                 results.append(Result(m, "run", "FAIL", f"{type(e).__name__}: {e}"))
+            seconds[m] = round(time.perf_counter() - t0, 1)
         if "throughput" in checks:
+            t0 = time.perf_counter()
             results += run_gpu_throughput(args)
+            seconds["gpu"] = round(time.perf_counter() - t0, 1)
     print_table(results)
+    print("seconds: " + ", ".join(f"{m} {s}" for m, s in seconds.items()))
     failed = [r for r in results if r.status == "FAIL"]
-    path = write_gate_record(results, checks, models, args)
+    path = write_gate_record(results, checks, models, args, seconds)
     print(f"gate: {len(results) - len(failed)} of {len(results)} passed or skipped, "
           f"{len(failed)} failed; record {path}")
     return 1 if failed else 0
@@ -786,7 +794,7 @@ def print_table(results: list[Result]) -> None:
         print(f"{r.model:{w_model}}  {r.check:{w_check}}  {r.status:6}  {r.detail}")
 
 
-def write_gate_record(results, checks, models, args) -> Path:
+def write_gate_record(results, checks, models, args, seconds=None) -> Path:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M%S_%f")
@@ -794,7 +802,7 @@ def write_gate_record(results, checks, models, args) -> Path:
     rec = {"benchmark": "gate", "checks": checks, "models": models,
            "baseline_dir": _rel(args.baseline_dir), "tolerance": TOLERANCE,
            "passed": not any(r.status == "FAIL" for r in results),
-           "results": [asdict(r) for r in results]}
+           "seconds": seconds or {}, "results": [asdict(r) for r in results]}
     path.write_text(json.dumps(rec, indent=1))
     records.finish(path, harness=Path(__file__))
     return path
