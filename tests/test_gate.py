@@ -9,6 +9,7 @@ not this box's speed. The planted regression (the same baseline tripled) must fa
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import subprocess
 import sys
@@ -188,3 +189,30 @@ def test_met_gate_is_a_met_command():
     args = cli.build_parser().parse_args(["gate", "--models", "tiny", "--checks", "boot"])
     assert args.command == "gate" and args.models == "tiny" and args.retries == 2
 
+
+def test_results_page_from_records(tmp_path):
+    res = tmp_path / "results"
+    res.mkdir()
+    _ladder_record(res, "a", "2026-11-30T00:00:00+00:00", {1: 200.0, 8: 1400.0})
+    _ladder_record(res, "b", "2026-11-30T06:00:00+00:00", {1: 195.0, 8: 1200.0})   # C=8 -14 %
+    _ladder_record(res, "c", "2026-12-01T00:00:00+00:00", {1: 185.0})    # -5 % of b: not flagged
+    _ladder_record(res, "d", "2026-12-01T00:00:00+00:00", {1: 100.0}, weights="fp8")
+    (res / "gate_x.json").write_text("{}")                                # not a ladder: ignored
+    out = tmp_path / "page" / "RESULTS.md"
+    done = subprocess.run([sys.executable, "perf/results_page.py", "--results", str(res),
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    page = out.read_text()
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "page" / "results_charts").is_dir()
+    else:
+        assert "matplotlib is not installed" in done.stdout and "matplotlib is not installed" in page
+    regs = page.split("## Regressions")[1].split("## Ladders")[0]
+    assert regs.count("| qwen3_5_9b · bf16") == 1 and "| 8 | 1,200.0 | 1,400.0 | -14.3% |" in regs
+    assert "`bbbbbbb` 2026-11-30 (ladder_b.json)" in regs
+    assert "### qwen3_5_9b · fp8 · NVIDIA H200 · engine-only · ISL 128 / OSL 256" in page
+    # the current ladder: C=1 from c (newest), C=8 from b, each with its commit and date
+    assert "| 1 | 185.0 |" in page and "`ccccccc` 2026-12-01 | ladder_c.json |" in page
+    assert "| 8 | 1,200.0 |" in page and "`bbbbbbb` 2026-11-30 | ladder_b.json |" in page
+    assert "**1,200.0**" in page and "unsigned (legacy)" in page
