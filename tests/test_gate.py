@@ -216,3 +216,18 @@ def test_results_page_from_records(tmp_path):
     assert "| 1 | 185.0 |" in page and "`ccccccc` 2026-12-01 | ladder_c.json |" in page
     assert "| 8 | 1,200.0 |" in page and "`bbbbbbb` 2026-11-30 | ladder_b.json |" in page
     assert "**1,200.0**" in page and "unsigned (legacy)" in page
+
+
+def test_gate_record_is_signed_when_a_key_is_configured(tmp_path, monkeypatch):
+    pytest.importorskip("cryptography")
+    from metrale import records
+
+    keys = tmp_path / "keys"
+    monkeypatch.setattr(records, "KEYS_DIR", keys)
+    kid = records.generate_key(tmp_path / "signing.pem", keys_dir=keys)
+    monkeypatch.setenv("METRALE_SIGNING_KEY_FILE", str(tmp_path / "signing.pem"))
+    rc, _ = run_gate(tmp_path, "--models", "tiny", "--checks", "boot")
+    assert rc == 0
+    [path] = (tmp_path / "out").glob("gate_*.json")
+    assert json.loads(records.signature_path(path).read_text())["key_id"] == kid
+    assert records.verify(path) == records.Verdict(True, [])
