@@ -7,6 +7,7 @@
     met doctor [--port N] [--json]       checks this machine for what `met serve` needs
     met verify RECORD... | --all         a benchmark record's signature, key and harness hash
     met sign RECORD...                   sign records (METRALE_SIGNING_KEY_FILE)
+    met gate [--checks ..] [--models ..]  the release gate (metrale/gate.py); exit 1 on a failure
     met list                             the shipped recipes (metrale/recipes/*.toml)
     met show RECIPE                      one recipe's file and the command it runs
     met run RECIPE [--print] [flags]     `met serve` with the recipe's checkpoint, flags and
@@ -278,10 +279,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the journal folder (default ~/.cache/metrale/events)")
     ev.add_argument("--no-follow", action="store_true",
                     help="print the journal and exit instead of tailing")
-    from metrale import doctor, records
+    from metrale import doctor, gate, records
 
     doctor.register(sub)
     records.register(sub)
+    gate.register(sub)
     sub.add_parser("list", help="the shipped recipes: name, family, format, checkpoint")
     sh = sub.add_parser("show", help="a recipe's file and the `met serve` command it runs")
     sh.add_argument("recipe", metavar="RECIPE", help="a recipe name (`met list`) or a .toml path")
@@ -673,6 +675,10 @@ def main(argv: list[str] | None = None) -> int:
             from metrale import records
 
             return records.run(args)
+        if args.command == "gate":
+            from metrale import gate
+
+            return gate.run_gate(args)
         if args.command == "doctor":
             from metrale import doctor
 
