@@ -383,6 +383,17 @@ def _harness_reasons(record: dict, root: Path) -> list[str]:
     return []
 
 
+def write(path, record: dict, harness) -> Path:
+    """A harness's record to `path` (its folder made), finished (stamped, signed when a key
+    is configured); prints where it went."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1), encoding="utf-8")
+    finish(path, harness=harness)
+    print(f"wrote {path}")
+    return path
+
+
 def finish(path, harness, *, root: Path | None = None, keys_dir: Path | None = None) -> Path:
     """What a harness calls after writing a record: stamp the provenance it lacks (the file is
     rewritten, indent=1), then sign it when a key is configured."""

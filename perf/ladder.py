@@ -454,11 +454,8 @@ def write_record(args, prefix: str, record: dict) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
     tag = "" if args.weights == "bf16" else f"_{args.weights}"
-    path = out / f"{prefix}_{args.shape}{tag}_osl{args.osl}_{stamp}.json"
-    path.write_text(json.dumps(record, indent=1))
-    records.finish(path, harness=__file__)
-    print(f"wrote {path}")
-    return path
+    return records.write(out / f"{prefix}_{args.shape}{tag}_osl{args.osl}_{stamp}.json", record,
+                         harness=__file__)
 
 
 def main_http(args) -> int:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import os
 import subprocess
 import sys
@@ -144,12 +143,8 @@ def main(argv=None) -> int:
                   device=dev, copy_bandwidth_Bps=bw, quant_mma_max_rows=q.QUANT_MMA_MAX_ROWS,
                   formats={"fp8": "block 128x128 e4m3, fp32 scales", "nvfp4": "e2m1, e4m3 scale / 16, fp32 global / row"},
                   rows=rows_out)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"quant_gemv_{_dt.datetime.now():%Y%m%d_%H%M%S}_{commit()}.json"
-    path.write_text(json.dumps(record, indent=1))
-    records.finish(path, harness=__file__)
-    print(f"wrote {path}")
+    records.write(Path(args.out) / f"quant_gemv_{_dt.datetime.now():%Y%m%d_%H%M%S}_{commit()}.json",
+                  record, harness=__file__)
     return 0
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -298,12 +297,8 @@ def main(argv=None) -> int:
     record = dict(commit=ladder.git_commit(),
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(), device=device,
                   shape=shape, **record)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"spec_{args.part}_{shape}_{datetime.datetime.now().strftime('%Y%m%d_%H%M%S')}.json"
-    path.write_text(json.dumps(record, indent=1))
-    records.finish(path, harness=__file__)
-    print(f"wrote {path}")
+    records.write(Path(args.out) / f"spec_{args.part}_{shape}_"
+                  f"{datetime.datetime.now().strftime('%Y%m%d_%H%M%S')}.json", record, harness=__file__)
     return 0
 
 
