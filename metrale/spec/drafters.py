@@ -21,36 +21,49 @@ from metrale.request import Request
 
 class _NgramIndex:
     """Where each n-gram (n in `sizes`) of a request's context last ended: key -> the position
-    just after its most recent occurrence, kept for occurrences that have a token after them."""
+    just after its most recent occurrence, kept for occurrences that have a token after them.
+    The index keeps its own copy of the context, appended to as the request's output grows
+    (not rebuilt from Request.all_token_ids each round: O(new tokens) per step); a compaction
+    (the context changed in the middle) starts it over."""
 
-    __slots__ = ("sizes", "tables", "num_indexed", "tokens")
+    __slots__ = ("sizes", "tables", "num_indexed", "tokens", "num_output", "num_dropped")
 
     def __init__(self, sizes: tuple[int, ...]):
         self.sizes = sizes
-        self.tables: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in sizes}
+        self._reset()
+
+    def _reset(self) -> None:
+        self.tables: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
         self.num_indexed = 0            # occurrences ending before this position are indexed
         self.tokens: list[int] = []
+        self.num_output = 0             # of the request's output tokens, in `tokens`
+        self.num_dropped = 0
 
-    def extend(self, context: list[int]) -> None:
-        """Index every occurrence that ends before the context's last token (its follower
-        must be known)."""
-        self.tokens = context
+    def sync(self, req: Request) -> list[int]:
+        """The request's context (this index's copy), every occurrence that ends before its
+        last token indexed (its follower must be known)."""
+        if req.num_dropped_tokens != self.num_dropped:
+            self._reset()
+            self.num_dropped = req.num_dropped_tokens
+        if not self.tokens:
+            self.tokens = req.all_token_ids
+        else:
+            self.tokens.extend(req.output_token_ids[self.num_output:])
+        self.num_output = req.num_output_tokens
+        context = self.tokens
         end = len(context) - 1
         for stop in range(max(self.num_indexed, 1), end + 1):
             for n in self.sizes:
                 if stop >= n:
                     self.tables[n][tuple(context[stop - n: stop])] = stop
         self.num_indexed = max(self.num_indexed, end + 1)
+        return context
 
     def follower(self, n: int) -> int | None:
         """Position after the most recent earlier occurrence of the context's last n tokens."""
         if len(self.tokens) < n + 1:
             return None
         return self.tables[n].get(tuple(self.tokens[-n:]))
-
-
-def _context(req: Request) -> list[int]:
-    return req.all_token_ids
 
 
 class NgramDrafter:
@@ -72,8 +85,7 @@ class NgramDrafter:
         index = self._index.get(req.request_id)
         if index is None:
             index = self._index[req.request_id] = _NgramIndex(self.sizes)
-        context = _context(req)
-        index.extend(context)
+        context = index.sync(req)
         for n in self.sizes:
             start = index.follower(n)
             if start is not None:
@@ -167,8 +179,7 @@ class PromptLookupDrafter:
                 state.skip = min(2 ** (state.misses - 1), self.miss_backoff)
 
     def _copy(self, state: _CopyState, req: Request, k: int) -> list[int]:
-        context = _context(req)
-        state.index.extend(context)
+        context = state.index.sync(req)
         if state.skip or k <= 0:
             return []
         start = state.index.follower(self.ngram)
