@@ -78,6 +78,13 @@ LEVERS: dict[str, Lever] = {lv.name: lv for lv in (
           "speculative decoding turns itself off while more than this many sequences decode (a "
           "verify's extra rows cost more than they gain in wide batches); also sizes the GDN "
           "verify rows of the state pool"),
+    Lever("METRALE_SPEC_ADAPTIVE", int, 1, "metrale/spec/adaptive.py",
+          "speculative decoding: each request drafts the count its own acceptance pays for, and "
+          "none (with probes every 1, 2, 4 ... 32 steps) while drafts cost more than they gain; "
+          "0 = always the configured count (benchmarks of the raw mechanics)"),
+    Lever("METRALE_SPEC_DRAFT_COST", float, 0.08, "metrale/spec/adaptive.py",
+          "a verify row's cost in decode steps, for METRALE_SPEC_ADAPTIVE (H200, Qwen3.5-9B, "
+          "C=1: a verify of 3 drafts is 1.23x a decode step)"),
     Lever("METRALE_MTP_K_LADDER", str, "", "metrale/spec/__init__.py",
           "drafts per verify by batch size, BATCH:DRAFTS pairs (e.g. 1:3,2:1,4:2,8:2,16:1): a "
           "step of B decoding sequences takes the entry of the largest BATCH <= B; empty = "

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import os
 import statistics
 import sys
@@ -80,6 +81,8 @@ def mechanics(args) -> dict:
     from metrale.config import EngineConfig
     from metrale.engine_core import EngineCore
     from metrale.sampling import SamplingParams
+    from metrale import levers
+    from metrale.spec.adaptive import AdaptiveDrafts
     from metrale.spec.drafters import ReplayDrafter
 
     import ladder
@@ -88,6 +91,8 @@ def mechanics(args) -> dict:
     rungs = [int(c) for c in args.conc.split(",")]
     drafts = [int(k) for k in args.drafts.split(",")]
     ps = [float(p) for p in args.p.split(",")]
+    modes = [bool(int(a)) for a in args.adaptive.split(",")]
+    cost = float(levers.get("METRALE_SPEC_DRAFT_COST"))
     if args.device == "cuda":
         ckpt, _ = ladder.synthetic_checkpoint(args.shape, args.weights)
     else:
@@ -115,27 +120,27 @@ def mechanics(args) -> dict:
         on.speculation.enabled = True
         print(f"C={conc:4d} off            {ref['tok_s']:10.1f} tok/s  step {ref['step_p50_ms'] or 0:7.2f} ms",
               flush=True)
-        for k in drafts:
+        for k, p, adaptive in itertools.product(drafts, ps, modes):
             on.speculation.num_drafts = k
-            for p in ps:
-                on.speculation.drafter = ReplayDrafter(ref["tokens"], p, vocab, seed=conc * 7 + k)
-                if args.force_acceptance:
-                    on.runner.accepted = _forced_acceptance(p, conc * 11 + k)
-                res = _run(on, {rid: prompts[rid] for rid in prompts}, params)
-                on.runner.__dict__.pop("accepted", None)
-                same = sum(res["tokens"][r] == ref["tokens"][r] for r in prompts)
-                row = dict(concurrency=conc, drafts=k, p=p, tok_s=res["tok_s"],
-                           off_tok_s=ref["tok_s"], speedup=res["tok_s"] / ref["tok_s"],
-                           step_p50_ms=res["step_p50_ms"], decode_step_p50_ms=ref["step_p50_ms"],
-                           verify_over_decode=(res["step_p50_ms"] / ref["step_p50_ms"]
-                                               if res["step_p50_ms"] and ref["step_p50_ms"] else None),
-                           acceptance=res.get("acceptance"),
-                           mean_accepted_length=res.get("mean_accepted_length"),
-                           verifies=res.get("verifies"), same_greedy_output=same, requests=conc)
-                rows.append(row)
-                print(f"C={conc:4d} K={k + 1} p={p:4.2f}  {res['tok_s']:10.1f} tok/s  x{row['speedup']:5.2f}"
-                      f"  step {res['step_p50_ms'] or 0:7.2f} ms  accepted {row['acceptance'] or 0:5.2f}"
-                      f"  len {row['mean_accepted_length'] or 0:4.2f}  same {same}/{conc}", flush=True)
+            on.speculation.adaptive = AdaptiveDrafts(cost) if adaptive else None
+            on.speculation.drafter = ReplayDrafter(ref["tokens"], p, vocab, seed=conc * 7 + k)
+            if args.force_acceptance:
+                on.runner.accepted = _forced_acceptance(p, conc * 11 + k)
+            res = _run(on, {rid: prompts[rid] for rid in prompts}, params)
+            on.runner.__dict__.pop("accepted", None)
+            same = sum(res["tokens"][r] == ref["tokens"][r] for r in prompts)
+            row = dict(concurrency=conc, drafts=k, p=p, adaptive=adaptive, tok_s=res["tok_s"],
+                       off_tok_s=ref["tok_s"], speedup=res["tok_s"] / ref["tok_s"],
+                       step_p50_ms=res["step_p50_ms"], decode_step_p50_ms=ref["step_p50_ms"],
+                       verify_over_decode=(res["step_p50_ms"] / ref["step_p50_ms"]
+                                           if res["step_p50_ms"] and ref["step_p50_ms"] else None),
+                       acceptance=res.get("acceptance"),
+                       mean_accepted_length=res.get("mean_accepted_length"),
+                       verifies=res.get("verifies"), same_greedy_output=same, requests=conc)
+            rows.append(row)
+            print(f"C={conc:4d} K={k + 1} p={p:4.2f} {'adapt' if adaptive else 'fixed'}  {res['tok_s']:10.1f} tok/s  x{row['speedup']:5.2f}"
+                  f"  step {res['step_p50_ms'] or 0:7.2f} ms  accepted {row['acceptance'] or 0:5.2f}"
+                  f"  len {row['mean_accepted_length'] or 0:4.2f}  same {same}/{conc}", flush=True)
     return dict(benchmark="spec_mechanics", isl=args.isl, osl=args.osl, weights=args.weights,
                 spec_max_batch=args.spec_max_batch, forced_acceptance=args.force_acceptance,
                 rungs=rows)
@@ -269,6 +274,10 @@ def main(argv=None) -> int:
                          "computes (default 1 on cuda, 0 on cpu; see the module doc)")
     ap.add_argument("--spec-max-batch", type=int, default=32,
                     help="METRALE_SPEC_MAX_BATCH for the run (speculation off above it)")
+    ap.add_argument("--adaptive", default="0,1",
+                    help="mechanics: runs with fixed draft counts (0: the raw cost of a verify) "
+                         "and / or acceptance-adaptive ones (1: metrale.spec.adaptive, the default "
+                         "of the engine)")
     ap.add_argument("--model", help="--part real: the SmolLM2 GGUF")
     ap.add_argument("--max-tokens", type=int, default=384)
     ap.add_argument("--ngram-drafts", type=int, default=4)

@@ -604,3 +604,78 @@ def test_logprobs_of_verified_tokens_are_the_targets(checkpoints):
         assert len(lps[rid]) == len(ref_lps[rid])
         for (a, ta), (b, tb) in zip(lps[rid], ref_lps[rid]):
             assert abs(a - b) <= 1e-4 and [t for t, _ in ta] == [t for t, _ in tb]
+
+
+# -- acceptance-adaptive draft counts (metrale.spec.adaptive) ----------------------------------
+def test_best_drafts_maximises_expected_tokens_per_step_cost():
+    from metrale.spec.adaptive import best_drafts
+
+    def rate(a, j, c):
+        return sum(a ** i for i in range(j + 1)) / (1 + c * j)
+    for a in (0.0, 0.05, 0.2, 0.5, 0.8, 0.95, 1.0):
+        for limit in (0, 1, 3, 6):
+            for c in (0.0, 0.08, 0.5):
+                j = best_drafts(a, limit, c)
+                assert 0 <= j <= limit
+                assert rate(a, j, c) >= max(rate(a, i, c) for i in range(limit + 1)) - 1e-12
+    assert best_drafts(0.0, 4, 0.08) == 0           # every draft rejected: none pays
+    assert best_drafts(0.8, 3, 0.08) == 3
+
+
+def test_adaptive_limit_skips_then_probes_with_doubling_backoff():
+    from metrale.spec.adaptive import MAX_SKIP, AdaptiveDrafts
+
+    ad = AdaptiveDrafts(0.08)
+    req = Request("a", [1, 2, 3], greedy(500))
+    schedule = []
+    for _ in range(300):
+        j = ad.limit(req, 3)
+        schedule.append(j)
+        req.last_verify = (j, 0) if j else None      # every draft rejected
+    drafted = [i for i, j in enumerate(schedule) if j]
+    gaps = [b - a for a, b in zip(drafted, drafted[1:])]
+    # a few windows to learn, then probes after 1, 2, 4 ... MAX_SKIP skipped steps
+    assert len(drafted) < 25
+    tail = gaps[-4:]
+    assert tail == [MAX_SKIP + 1] * 4
+    assert any(g == 2 for g in gaps) and any(g == 5 for g in gaps)
+    # drafts that start being accepted again are noticed at the next probe
+    ad2 = AdaptiveDrafts(0.08)
+    for _ in range(60):
+        j = ad2.limit(req, 3)
+        req.last_verify = (j, 0) if j else None
+    for _ in range(MAX_SKIP + 1):
+        j = ad2.limit(req, 3)
+        req.last_verify = (j, j) if j else None
+        if j:
+            break
+    assert j == 3
+    climb = []
+    for _ in range(5):          # every window accepted whole: back to the full count
+        climb.append(ad2.limit(req, 3))
+        req.last_verify = (climb[-1], climb[-1])
+    assert climb == sorted(climb) and climb[0] >= 1 and climb[-3:] == [3, 3, 3]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "llama"])
+def test_rejected_drafts_stop_being_drafted_and_output_is_unchanged(arch, checkpoints, plain,
+                                                                    monkeypatch):
+    prompts = make_prompts(3, seed=5)
+    params = greedy(120)
+    expected = plain(arch, prompts, params)
+    counts = {}
+    for adaptive in ("1", "0"):
+        monkeypatch.setenv("METRALE_SPEC_ADAPTIVE", adaptive)
+        core = with_replay(engine(checkpoints[arch], drafts=3), expected, 0.0)
+        assert run(core, prompts, params) == expected
+        counts[adaptive] = core.speculation.stats.num_verifies
+    # fixed: (nearly) every decode step verifies 3 drafts; adaptive: a few windows, then probes
+    assert counts["0"] > 3 * 100
+    assert counts["1"] < counts["0"] / 4
+    # all accepted: the adaptive count stays at the configured 3 drafts
+    monkeypatch.setenv("METRALE_SPEC_ADAPTIVE", "1")
+    core = with_replay(engine(checkpoints[arch], drafts=3), expected, 1.0)
+    assert run(core, prompts, params) == expected
+    st = core.speculation.stats
+    short = sum(n for (k, _), n in st.verifies.items() if k < 3)   # cut by max_tokens at the end
+    assert st.num_verifies > 3 * 20 and short <= len(prompts)

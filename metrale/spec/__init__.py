@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from metrale import levers
 from metrale.config import ConfigError
 from metrale.request import Request
+from metrale.spec.adaptive import AdaptiveDrafts
 from metrale.spec.drafters import NgramDrafter, PromptLookupDrafter
 from metrale.spec.mtp import MtpDrafter, check_quantization, default_drafts
 
@@ -74,7 +75,9 @@ class Speculation:
     - never more than max_tokens leaves room for (the token after the drafts is emitted too);
     - none for requests the device's sampler cannot verify exactly (CUDA: repetition, presence
       or frequency penalties, whose counts would need the drafts) or under a thinking budget;
-    - at most `verify_rows` drafts in one step (the GDN verify rows the state pool holds).
+    - at most `verify_rows` drafts in one step (the GDN verify rows the state pool holds);
+    - per request, the count its own acceptance pays for (metrale.spec.adaptive; not for
+      prompt lookup, which has rules of its own; METRALE_SPEC_ADAPTIVE=0 turns it off).
 
     With the MTP drafter (`mtp`: alone, or prompt lookup's fallback), --num-drafts left at 1
     means the model's MTP default (metrale.spec.mtp.MTP_DEFAULT_DRAFTS: 3 for Qwen3.5 / 3.6);
@@ -100,6 +103,10 @@ class Speculation:
         self.verify_rows = max(lone, batched * self.max_batch)
         if self.mtp is not None:
             self.mtp.size(self.max_batch, batched)
+        # drafts per request from its own acceptance (prompt lookup keeps the reference's rules)
+        self.adaptive = AdaptiveDrafts(float(levers.get("METRALE_SPEC_DRAFT_COST"))) \
+            if levers.get("METRALE_SPEC_ADAPTIVE") and not self.method.startswith("prompt-lookup") \
+            else None
         self.stats = SpecStats()
         self.enabled = True         # False: no drafts (benchmarks: the same engine without them)
         log.info("speculative decoding: %s, %d drafts per verify (%s), off above %d decoding "
@@ -185,11 +192,15 @@ class Speculation:
             limits.append(max(0, min(limit, room, share)) if self.eligible(r) else 0)
         if len(decoding) > self.max_batch:
             limits = [0] * len(decoding)
+        if self.adaptive is not None:
+            limits = [self.adaptive.limit(r, n) for r, n in zip(decoding, limits)]
         if self.mtp is not None:    # prompt lookup's fallback gets its limits: cut to k
             self.mtp.cap = k
         self.drafter.propose(decoding, limits)
 
     def release(self, request_id: str) -> None:
+        if self.adaptive is not None:
+            self.adaptive.release(request_id)
         for d in self._drafters():
             d.release(request_id)
 
