@@ -53,8 +53,9 @@ class ModelRunner:
         # GDN state-pool rows a verify step keeps its window's states in (metrale.spec)
         self.verify_rows = verify_rows
         self.hybrid = caches is not None and bool(caches.spec.gdn_layers)
-        # a drafter that reads the target's hidden states (the MTP head): every forward runs
-        # eagerly through model.forward_with_hidden and leaves (host batch, hidden [T, H]) here
+        # a drafter that reads the target's hidden states (the MTP head): every forward leaves
+        # (host batch, hidden [T, H]) here (a replayed graph's hidden rows, or an eager
+        # model.forward_with_hidden's)
         self.keep_hidden = False
         self.last_forward = None
 
@@ -128,11 +129,15 @@ class ModelRunner:
             return self._execute_verify(out, hook)
         # a decode step replays its captured graph, packed straight from the ScheduledSeqs;
         # with --prefill-graphs any other step that fits a token bucket replays one too
-        logits = self.graphs.run_decode(seqs) if self.graphs is not None and not self.keep_hidden \
-            else None
-        if logits is None and self.step_graphs is not None and not self.keep_hidden:
-            logits = self.step_graphs.run_step(seqs)
+        graphs = None
+        logits = self.graphs.run_decode(seqs) if self.graphs is not None else None
         if logits is not None:
+            graphs = self.graphs
+        elif self.step_graphs is not None:
+            logits = self.step_graphs.run_step(seqs)
+            graphs = self.step_graphs if logits is not None else None
+        if logits is not None:
+            self._keep_graph_hidden(out, graphs)
             sampling = [s for s in seqs if s.sample]
             if len(sampling) != len(seqs):
                 logits = logits[np.asarray([i for i, s in enumerate(seqs) if s.sample], dtype=np.intp)]
@@ -164,8 +169,10 @@ class ModelRunner:
         seqs = out.seqs
         state_out, windows = self._state_out(seqs) if self.hybrid else (None, {})
         logits = None
-        if self.verify_graphs is not None and not self.keep_hidden:
+        if self.verify_graphs is not None:
             logits = self.verify_graphs.run_step(seqs, state_out)
+            if logits is not None:
+                self._keep_graph_hidden(out, self.verify_graphs)
         if logits is None:
             hook()
             hook = _nothing
@@ -209,6 +216,14 @@ class ModelRunner:
         while a < num_drafts and picks[a].token_id == drafts[a]:
             a += 1
         return a
+
+    def _keep_graph_hidden(self, out, graphs) -> None:
+        """keep_hidden after a replayed graph: the step's host batch and the hidden states of
+        its token rows (the graph's own buffer: valid until its next replay, after the
+        drafter's observe of this step)."""
+        if self.keep_hidden:
+            batch = self.build_batch(out)
+            self.last_forward = (batch, graphs.last_hidden[: batch.num_tokens])
 
     def _forward(self, batch):
         """The eager forward of a host batch: logits, and with keep_hidden the hidden states

@@ -17,7 +17,8 @@
 #   QUANT_BENCH=1 ...  FP8 / NVFP4 projections against bf16 on the 9B / 27B shapes (perf/quant_gemv.py)
 #   LADDER="qwen3_5_9b qwen3_5_9b:fp8 qwen3_5_9b:nvfp4" ...  a ladder entry may name its weights
 #   SPEC_MECH="qwen3_5_9b" SPEC_CONC=1,8 SPEC_DRAFTS=3 SPEC_P=0,0.8,1 ...  speculative decoding at
-#     controlled acceptance; SPEC_REAL=1 (with SMOLLM2_GGUF) prompt lookup / n-gram on SmolLM2
+#     controlled acceptance (SPEC_DRAFTER=mtp: the shape's MTP head drafts; SPEC_ADAPTIVE=0,1); SPEC_REAL=1
+#     (with SMOLLM2_GGUF) prompt lookup / n-gram on SmolLM2
 #
 # Wheels the GPU image lacks (pyzmq, falcon, gunicorn, orjson) are installed from ./.whl when it
 # exists (fetch them beforehand with ../shared/tools/gpu-wheels.sh from the project root).
@@ -118,7 +119,8 @@ fi
 for shape in ${SPEC_MECH:-}; do
   echo "== speculative mechanics $shape"
   "$PY" perf/spec_bench.py --part mechanics --shape "$shape" --conc "${SPEC_CONC:-1,8,32,64}" \
-    --drafts "${SPEC_DRAFTS:-3}" --p "${SPEC_P:-0,0.8,1}" --osl "${LADDER_OSL:-256}" --out "$OUTDIR" 2>&1 \
+    --drafts "${SPEC_DRAFTS:-3}" --p "${SPEC_P:-0,0.8,1}" --osl "${LADDER_OSL:-256}" --out "$OUTDIR" \
+    --drafter "${SPEC_DRAFTER:-replay}" --adaptive "${SPEC_ADAPTIVE:-0,1}" 2>&1 \
     | tee "$OUTDIR/spec_mech_$shape.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done

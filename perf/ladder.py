@@ -113,18 +113,35 @@ class SyntheticTensors(Mapping):
         return len(self.shapes)
 
 
-def synthetic_checkpoint(shape: str, weights: str = "bf16"):
+def synthetic_checkpoint(shape: str, weights: str = "bf16", mtp: bool = False):
+    """`mtp`: with the MTP head a Qwen3.5 release ships (mtp.*: fc, its norms and one layer
+    shaped as the model's first full-attention layer; bf16 like a release's)."""
     from metrale.models.checkpoint import Checkpoint
 
     config, model_type = hf_config(shape)
     shapes = tensor_shapes(config)
     cfg = config.to_dict()
     cfg["model_type"] = model_type
+    if mtp:
+        shapes.update(mtp_shapes(cfg, shapes))
+        cfg.update(mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False)
     quant = None if weights == "bf16" else weights
     if quant:
         cfg["quantization_config"] = QUANT_CONFIGS[quant]
     return Checkpoint(config=cfg, tensors=SyntheticTensors(shapes, quant), path=f"synthetic:{shape}",
                       name=shape), shapes
+
+
+def mtp_shapes(cfg: dict, shapes: dict) -> dict[str, tuple[int, ...]]:
+    hidden = cfg["hidden_size"]
+    full = cfg["layer_types"].index("full_attention")
+    src = next(n for n in shapes if f"layers.{full}." in n).split(f"layers.{full}.")[0] + \
+        f"layers.{full}."
+    out = {"mtp.fc.weight": (hidden, 2 * hidden)}
+    out.update({f"mtp.{n}.weight": (hidden,) for n in ("pre_fc_norm_embedding",
+                                                       "pre_fc_norm_hidden", "norm")})
+    out.update({"mtp.layers.0." + n[len(src):]: s for n, s in shapes.items() if n.startswith(src)})
+    return out
 
 
 def weight_bytes(name: str, shape, weights: str = "bf16") -> float:

@@ -93,9 +93,12 @@ def mechanics(args) -> dict:
     ps = [float(p) for p in args.p.split(",")]
     modes = [bool(int(a)) for a in args.adaptive.split(",")]
     cost = float(levers.get("METRALE_SPEC_DRAFT_COST"))
+    mtp = args.drafter == "mtp"
     if args.device == "cuda":
-        ckpt, _ = ladder.synthetic_checkpoint(args.shape, args.weights)
+        ckpt, _ = ladder.synthetic_checkpoint(args.shape, args.weights, mtp=mtp)
     else:
+        if mtp:
+            raise SystemExit("--drafter mtp: the CUDA benchmark only (CPU tests cover the head)")
         import tempfile
 
         from metrale.models.loader import load_checkpoint
@@ -107,7 +110,11 @@ def mechanics(args) -> dict:
     # one engine: its runs with speculation disabled are the reference (the same GEMM plans:
     # another engine's tuner may pick other algorithms, whose bf16 rounding flips the near-ties
     # of random weights' logits and so every token after them)
-    on = EngineCore(ckpt, EngineConfig(**base, ngram_speculative=True, num_drafts=max(drafts)))
+    # --drafter mtp: the checkpoint's (random) MTP head drafts; the forced acceptance decides
+    # what is kept, so the head's own cost is in the figures (its observe runs with speculation
+    # disabled too: the "off" rows of this engine carry it; compare with perf/ladder.py's)
+    method = dict(speculative=True) if mtp else dict(ngram_speculative=True)
+    on = EngineCore(ckpt, EngineConfig(**base, **method, num_drafts=max(drafts)))
     params = SamplingParams(max_tokens=args.osl, temperature=0, ignore_eos=True)
     rng = np.random.default_rng(0)
     rows = []
@@ -123,7 +130,8 @@ def mechanics(args) -> dict:
         for k, p, adaptive in itertools.product(drafts, ps, modes):
             on.speculation.num_drafts = k
             on.speculation.adaptive = AdaptiveDrafts(cost) if adaptive else None
-            on.speculation.drafter = ReplayDrafter(ref["tokens"], p, vocab, seed=conc * 7 + k)
+            if not mtp:
+                on.speculation.drafter = ReplayDrafter(ref["tokens"], p, vocab, seed=conc * 7 + k)
             if args.force_acceptance:
                 on.runner.accepted = _forced_acceptance(p, conc * 11 + k)
             res = _run(on, {rid: prompts[rid] for rid in prompts}, params)
@@ -141,7 +149,8 @@ def mechanics(args) -> dict:
             print(f"C={conc:4d} K={k + 1} p={p:4.2f} {'adapt' if adaptive else 'fixed'}  {res['tok_s']:10.1f} tok/s  x{row['speedup']:5.2f}"
                   f"  step {res['step_p50_ms'] or 0:7.2f} ms  accepted {row['acceptance'] or 0:5.2f}"
                   f"  len {row['mean_accepted_length'] or 0:4.2f}  same {same}/{conc}", flush=True)
-    return dict(benchmark="spec_mechanics", isl=args.isl, osl=args.osl, weights=args.weights,
+    return dict(benchmark="spec_mechanics", drafter=args.drafter, isl=args.isl, osl=args.osl,
+                weights=args.weights,
                 spec_max_batch=args.spec_max_batch, forced_acceptance=args.force_acceptance,
                 rungs=rows)
 
@@ -278,6 +287,10 @@ def main(argv=None) -> int:
                     help="mechanics: runs with fixed draft counts (0: the raw cost of a verify) "
                          "and / or acceptance-adaptive ones (1: metrale.spec.adaptive, the default "
                          "of the engine)")
+    ap.add_argument("--drafter", default="replay", choices=("replay", "mtp"),
+                    help="mechanics: the recorded greedy continuation corrupted at 1 - p "
+                         "(replay), or the shape's MTP head with random weights (mtp; acceptance "
+                         "forced at p)")
     ap.add_argument("--model", help="--part real: the SmolLM2 GGUF")
     ap.add_argument("--max-tokens", type=int, default=384)
     ap.add_argument("--ngram-drafts", type=int, default=4)

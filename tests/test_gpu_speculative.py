@@ -213,9 +213,10 @@ def test_copy_rows_copies_every_array_and_pair_in_one_launch():
 
 
 def test_mtp_drafter_on_the_gpu(tmp_path):
-    """--speculative with the checkpoint's MTP head (tiny qwen3_5 with random mtp.* tensors;
-    every forward eager while the head follows the target): greedy output as the same engine
-    gives it without drafts, up to near-ties; the head's drafts are verified."""
+    """--speculative with the checkpoint's MTP head (tiny qwen3_5 with random mtp.* tensors):
+    greedy output as the same engine gives it without drafts, up to near-ties; the head's
+    drafts are verified; decode and verify steps replay their graphs, whose hidden states the
+    head reads, and it drafts what it drafts when every forward runs eagerly."""
     from metrale.models.loader import load_checkpoint
     from test_gpu_models import GDN_SHAPES, GPU_SHAPES
     from tiny_models import add_mtp
@@ -224,7 +225,33 @@ def test_mtp_drafter_on_the_gpu(tmp_path):
                              **dict(GPU_SHAPES, **GDN_SHAPES)))
     core = engine(load_checkpoint(path), speculative=True, num_drafts=3)
     assert core.speculation.method == "mtp" and core.runner.keep_hidden
+    runner = core.runner
+    assert runner.graphs is not None and runner.verify_graphs is not None
+    replays = {"decode": 0, "verify": 0}
+
+    def counted(fn, key):
+        def run_graph(*a, **kw):
+            logits = fn(*a, **kw)
+            replays[key] += logits is not None
+            return logits
+        return run_graph
+    runner.graphs.run_decode = counted(runner.graphs.run_decode, "decode")
+    runner.verify_graphs.run_step = counted(runner.verify_graphs.run_step, "verify")
+    drafted = []
+    propose = core.speculation.drafter.propose
+
+    def recording(reqs, limits):
+        propose(reqs, limits)
+        drafted.append({r.request_id: list(r.draft_token_ids) for r in reqs})
+    core.speculation.drafter.propose = recording
     ps = prompts(4, seed=6)
     ref, got = reference_then_drafted(core, ps, greedy(24))
     assert assert_agree_until_near_tie(core, ps, ref, got) >= 1
     assert core.speculation.stats.draft_tokens > 0
+    assert replays["decode"] > 0 and replays["verify"] > 0
+    with_graphs, drafted[:] = list(drafted), []
+    runner.graphs = runner.step_graphs = runner.verify_graphs = None      # every forward eager
+    eager = run(core, ps, greedy(24))
+    same = sum(a == b for a, b in zip(with_graphs, drafted))
+    assert same >= 0.8 * max(len(with_graphs), len(drafted)), (same, len(with_graphs), len(drafted))
+    assert assert_agree_until_near_tie(core, ps, got, eager) >= 1

@@ -167,22 +167,23 @@ class Speculation:
     def propose(self, running: list[Request]) -> None:
         """Drafts for every running request that decodes in the next step (one uncomputed
         token); the others' drafts are cleared."""
+        if not self.enabled or (len(running) > self.max_batch
+                                and not self.config.prompt_lookup_decoding
+                                and sum(r.num_uncomputed_tokens == 1 for r in running)
+                                > self.max_batch):
+            _clear(running)         # the wide-batch steady state: one pass, nothing drafted
+            return
         decoding = []
         for r in running:
             if r.num_uncomputed_tokens == 1:
                 decoding.append(r)
-            else:
+            elif r.draft_token_ids:
                 r.draft_token_ids = []
         if not decoding:
             return
-        if not self.enabled:
-            for r in decoding:
-                r.draft_token_ids = []
-            return
         k = self.drafts_for_batch(len(decoding))
         if k == 0 and not self.config.prompt_lookup_decoding:
-            for r in decoding:
-                r.draft_token_ids = []
+            _clear(decoding)
             return
         share = self.verify_rows // len(decoding) if len(decoding) > 1 else self.verify_rows
         limits = []
@@ -264,6 +265,12 @@ class Speculation:
             st.draft_tokens += k
             st.accepted_tokens += accepted
             st.num_verifies += 1
+
+
+def _clear(requests) -> None:
+    for r in requests:
+        if r.draft_token_ids:
+            r.draft_token_ids = []
 
 
 def make_speculation(config, model, on_cuda: bool) -> Speculation | None:

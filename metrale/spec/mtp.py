@@ -39,8 +39,10 @@ Preemption: recompute drops the request's head state, the recompute's prefill ch
 memory with the main KV (not counted in --swap-space-gb) and back at swap-in. Compaction
 (--auto-compact) is a recompute.
 
-On CUDA the runner runs every forward eagerly while this drafter is on (`keep_hidden`: no decode,
-prefill or verify graphs yet, nor for the head's own forwards): correct, but slow.
+On CUDA the target's decode, prefill and verify steps replay their graphs while this drafter
+is on (`keep_hidden`: the graphs keep the final-norm hidden states of every token row, and the
+runner hands the drafter a view of them with the step's host batch). The head's own forwards
+(observe, one per chain step) still run eagerly: about 15 launches each.
 
 `MTP_DEFAULT_DRAFTS`: the drafts per verify when --num-drafts is left at 1 (Speculation).
 """

@@ -170,13 +170,15 @@ def capture_forward(model, batch: ForwardBatch, caches, stream, launch):
     """The one capture routine of the decode and step graphs: a warm-up forward over `batch`
     (kernels loaded, the pool filled), then the forward captured on `stream` with programmatic
     edges between our kernels (`launch`: the ops' LaunchContext, kernels.py). Returns (graph,
-    logits); on an error the stream leaves capture mode before it propagates."""
+    logits, hidden): the final-norm hidden states of every token row stay in the graph's memory
+    too (the MTP drafter reads them: ModelRunner.keep_hidden); on an error the stream leaves
+    capture mode before it propagates."""
     model.forward(batch, caches)
     stream.synchronize()
     stream.begin_capture()
     try:
         with launch.capture():
-            logits = model.forward(batch, caches)
+            logits, hidden = model.forward_with_hidden(batch, caches)
     except BaseException:
         try:
             stream.end_capture()
@@ -185,7 +187,7 @@ def capture_forward(model, batch: ForwardBatch, caches, stream, launch):
         raise
     graph = stream.end_capture()
     stream.synchronize()
-    return graph, logits
+    return graph, logits, hidden
 
 
 class _Graph:
@@ -197,6 +199,7 @@ class _Graph:
         self.device = cp.zeros(inputs.size, dtype=np.int32)
         self.graph = None
         self.logits = None
+        self.hidden = None
 
     def batch(self, block_size: int) -> ForwardBatch:
         return ForwardBatch(**_views(self.device, self.inputs.layout), block_size=block_size)
@@ -235,8 +238,8 @@ class DecodeGraphs:
                 g = self.graphs[bucket]
                 self._pack(g, self._padding_batch(0))
                 g.device.set(g.host_view, stream=self.stream)
-                g.graph, g.logits = capture_forward(self.model, g.batch(self.block_size), self.caches,
-                                                    self.stream, self.launch)
+                g.graph, g.logits, g.hidden = capture_forward(
+                    self.model, g.batch(self.block_size), self.caches, self.stream, self.launch)
         self.pdl = self.launch.pdl_enabled      # what the graphs were captured with
 
     def _padding_batch(self, n: int) -> ForwardBatch:
@@ -265,6 +268,7 @@ class DecodeGraphs:
         with self.stream:
             g.device.set(g.host_view, stream=self.stream)
             g.graph.launch(stream=self.stream)
+            self.last_hidden = g.hidden         # its first n rows are the step's tokens
             return g.logits[:n]
 
     def _pack(self, g: _Graph, batch: ForwardBatch) -> None:
@@ -509,8 +513,8 @@ class StepGraphs:
                 inputs.pack_padding(ins.spare_block, ins.spare_slot)
                 g["device"].set(inputs.host_view, stream=self.stream)
                 batch = inputs.batch(_views(g["device"], inputs.layout), self.block_size)
-                g["graph"], g["logits"] = capture_forward(self.model, batch, self.caches, self.stream,
-                                                          self.launch)
+                g["graph"], g["logits"], g["hidden"] = capture_forward(
+                    self.model, batch, self.caches, self.stream, self.launch)
 
     def run_step(self, seqs, state_out=None):
         """Replay the smallest bucket that holds the step `seqs` (ScheduledSeqs); None, with
@@ -525,4 +529,5 @@ class StepGraphs:
         with self.stream:
             g["device"].set(inputs.host_view, stream=self.stream)
             g["graph"].launch(stream=self.stream)
+            self.last_hidden = g["hidden"]      # real tokens first, in the step's order
             return g["logits"][:b]
