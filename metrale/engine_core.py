@@ -165,6 +165,7 @@ class EngineCore:
             self._setup_step_graphs(graphs, num_blocks, num_slots)
         if self.speculation is not None:
             self._setup_step_graphs(graphs, num_blocks, num_slots, verify=True)
+            self.speculation.capture_graphs(graphs)     # a drafter's own forwards (the MTP head)
 
     def _setup_step_graphs(self, decode_graphs, num_blocks: int, num_slots: int,
                            verify: bool = False) -> None:

@@ -228,6 +228,47 @@ def test_greedy_output_unchanged_and_drafts_are_the_heads(arch, batch, checkpoin
     check_drafts(core, spy)
 
 
+class _DecodeRowsEagerly:
+    """Stands in for the head's CUDA graphs (MtpDrafter.capture_graphs) on the CPU: every head
+    forward goes through the same one-token-per-row layout (_Rows.decode_batch), run eagerly."""
+
+    max_batch = 1 << 20
+
+    def __init__(self, drafter):
+        from metrale.spec.mtp import _HeadStep
+
+        self.drafter = drafter
+        drafter._step = _HeadStep(drafter.head, drafter.ops, 4096)
+        self.calls = 0
+
+    def supports(self, batch):
+        return True
+
+    def run(self, batch):
+        d = self.drafter
+        self.calls += 1
+        n = batch.num_tokens
+        return d.head.forward(d.ops.upload_batch(batch), d._step.target[:n], d.caches)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_head_rows_as_one_token_decode_rows_draft_the_same(arch, checkpoints, plain):
+    """The layout the head's CUDA graphs replay: a sequence's consecutive head rows as separate
+    one-token rows (each layer writes every row's K/V before any row attends). Greedy output
+    unchanged and every proposal equal to the oracle's, with prefill chunks, verifies that keep
+    several drafts, and batches of several requests."""
+    prompts = make_prompts(6, seed=4)
+    params = greedy(14)
+    expected = plain(arch, prompts, params)
+    core = engine(checkpoints[arch], max_prefill_tokens=9)
+    spy = spy_on(core, ReplayDrafter(expected, 0.7, VOCAB, seed=2))
+    head = core.speculation.mtp
+    head.graphs = _DecodeRowsEagerly(head)
+    assert run(core, prompts, params, waves=2) == expected
+    assert head.graphs.calls > 0
+    check_drafts(core, spy)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("p", [0.5, 1.0])
 def test_the_head_follows_accepted_drafts(arch, p, checkpoints, plain):

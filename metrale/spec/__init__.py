@@ -226,6 +226,13 @@ class Speculation:
                 bound = True
         return bound
 
+    def capture_graphs(self, main_graphs) -> None:
+        """CUDA: a drafter with forwards of its own (the MTP head) captures them as graphs."""
+        for d in self._drafters():
+            capture = getattr(d, "capture_graphs", None)
+            if capture is not None and getattr(d, "caches", None) is not None:
+                capture(main_graphs)
+
     def kv_bytes_per_block(self, block_size: int, dtype) -> int:
         """KV bytes the drafter's own caches add per KV block of the main pool."""
         fns = [getattr(d, "kv_bytes_per_block", None) for d in self._drafters()]

@@ -41,8 +41,9 @@ memory with the main KV (not counted in --swap-space-gb) and back at swap-in. Co
 
 On CUDA the target's decode, prefill and verify steps replay their graphs while this drafter
 is on (`keep_hidden`: the graphs keep the final-norm hidden states of every token row, and the
-runner hands the drafter a view of them with the step's host batch). The head's own forwards
-(observe, one per chain step) still run eagerly: about 15 launches each.
+runner hands the drafter a view of them with the step's host batch), and the head's own
+forwards (observe, one per chain step) replay decode graphs of the head (`capture_graphs`: every
+head row as a one-token decode row; more rows than the largest bucket run eagerly).
 
 `MTP_DEFAULT_DRAFTS`: the drafts per verify when --num-drafts is left at 1 (Speculation).
 """
@@ -162,6 +163,8 @@ class MtpDrafter:
         self._state: dict[str, _Head] = {}
         self._swapped: dict[str, _Swapped] = {}
         self.num_private_copies = 0     # cached blocks whose last head row was recomputed
+        self.graphs = None              # CUDA: the head's forwards as decode graphs (capture_graphs)
+        self._step = None
 
     def size(self, max_seqs: int, max_drafts: int) -> None:
         """Speculation's limits (sizes the scratch blocks of chains; before bind)."""
@@ -198,6 +201,36 @@ class MtpDrafter:
     def release(self, request_id: str) -> None:
         self._drop(request_id)
         self._swapped.pop(request_id, None)
+
+    def capture_graphs(self, main) -> None:
+        """CUDA: the head's forwards replayed from decode graphs of its own (`main`: the
+        target's DecodeGraphs, whose spare block, block-table width and stream they share).
+        Every head row runs as a one-token decode row, a sequence's consecutive rows included:
+        each layer writes every row's K/V before any row attends, so row j sees rows < j of its
+        own sequence (the same result as one multi-token row). Steps with more rows than the
+        largest bucket (long prefill chunks) run eagerly."""
+        from metrale.backends.cuda.graphs import DecodeGraphs
+
+        rows = min(256, self.max_seqs * (self.max_drafts + 1))
+        self._step = _HeadStep(self.head, self.ops, rows)
+        graphs = DecodeGraphs(self._step, self.ops, self.caches, rows, main.width + 1,
+                              spare_block=main.spare_block, spare_slot=0)
+        graphs.capture()
+        self.graphs = graphs
+        log.info("MTP drafter: captured %d head graphs (row buckets %s)", len(graphs.graphs),
+                 sorted(graphs.graphs))
+
+    def _head_forward(self, rows: "_Rows", target):
+        """The head over `rows` reading the target hidden rows `target` ([rows, H]): output
+        hidden [rows, H] (a graph's buffer when replayed: valid until its next replay)."""
+        n = rows.num_rows
+        if self.graphs is not None and n <= self.graphs.max_batch:
+            batch = rows.decode_batch(self.block_size)
+            if self.graphs.supports(batch):
+                self._step.target[:n] = target
+                return self.graphs.run(batch)
+        return self.head.forward(self.ops.upload_batch(rows.batch(self.block_size)), target,
+                                 self.caches)
 
     # -- following the target ---------------------------------------------------------------
     def observe(self, out, emitted, forward) -> None:
@@ -279,8 +312,7 @@ class MtpDrafter:
             both[n:] = ops.embedding(np.asarray(fixes.src, np.int32), self._hidden_store)
             target = both
         rows.extend(fixes)
-        batch = rows.batch(bs)
-        out = self.head.forward(ops.upload_batch(batch), target, self.caches)
+        out = self._head_forward(rows, target)
         if tails:       # per request: the head's output at its last kept position
             st_rows = np.asarray([st.row for st, _, _ in tails], np.int64)
             self._last[ops.asarray(st_rows, dtype=np.int64)] = ops.embedding(
@@ -288,13 +320,13 @@ class MtpDrafter:
         for st, _, next_pos in tails:
             st.next_pos = next_pos
         # per computed block end: the target hidden there and the token its head row read
-        pos = batch.positions[:n]
+        pos = np.asarray(rows.positions[:n], np.int32)
         ends = np.nonzero(pos % bs == bs - 1)[0]
         if len(ends):
-            blocks = batch.slot_mapping[ends] // bs
+            blocks = np.asarray(rows.slots, np.int32)[ends] // bs
             self._hidden_store[ops.asarray(blocks.astype(np.int64), dtype=np.int64)] = \
                 ops.embedding(src[ends], hidden)
-            self._next_tokens[blocks] = batch.input_ids[ends]
+            self._next_tokens[blocks] = np.asarray(rows.ids, np.int32)[ends]
 
     def _catch_up(self, st: _Head, req: Request, table: list[int], start: int, fixes) -> None:
         """A request starting at a cached prefix of `start` tokens: give every matched block
@@ -363,8 +395,7 @@ class MtpDrafter:
                              [table[pos // bs] * bs + pos % bs], [at[i]])
             idx = np.asarray(rows.src, np.int32)
             same = len(idx) == h.shape[0] and np.array_equal(idx, np.arange(len(idx)))
-            h = self.head.forward(ops.upload_batch(rows.batch(bs)),
-                                  h if same else ops.embedding(idx, h), self.caches)
+            h = self._head_forward(rows, h if same else ops.embedding(idx, h))
             ids, probs = self._pick(h)
             for r, i in enumerate(active):
                 drafts[i].append(int(ids[r]))
@@ -509,6 +540,49 @@ class _Rows:
             logits_indices=(qsl[1:] - 1).astype(np.int32),
             block_size=block_size,
         )
+
+
+    def decode_batch(self, block_size: int) -> ForwardBatch:
+        """The same rows as one-token sequences (a decode step's layout): row r at position p
+        attends to positions [0, p] of its sequence's table."""
+        n = self.num_rows
+        per_row = [self.tables[s] for s in range(len(self.seq_lens))
+                   for _ in range(self.qsl[s + 1] - self.qsl[s])]
+        width = max((len(t) for t in per_row), default=1) or 1
+        tables = np.zeros((n, width), np.int32)
+        for r, t in enumerate(per_row):
+            tables[r, : len(t)] = t
+        positions = np.asarray(self.positions, np.int32)
+        return ForwardBatch(
+            input_ids=np.asarray(self.ids, np.int32),
+            positions=positions,
+            query_start_loc=np.arange(n + 1, dtype=np.int32),
+            seq_lens=positions + 1,
+            block_tables=tables,
+            slot_mapping=np.asarray(self.slots, np.int32),
+            state_slots=np.zeros(n, np.int32),
+            logits_indices=np.arange(n, dtype=np.int32),
+            block_size=block_size,
+        )
+
+
+class _HeadStep:
+    """The MTP head as a model DecodeGraphs captures: its forward over a decode-layout batch
+    reads the target hidden rows from `target` (a fixed buffer the drafter fills before each
+    replay) and gives the head's output hidden as both results (the drafter takes the logits
+    of the rows it drafts from itself: MtpDrafter._pick)."""
+
+    def __init__(self, head, ops, rows: int):
+        self.head = head
+        self.target = ops.zeros((rows, head.hidden_size))
+
+    def forward_with_hidden(self, batch, caches):
+        n = batch.input_ids.shape[0]
+        h = self.head.forward(batch, self.target[:n], caches)
+        return h, h
+
+    def forward(self, batch, caches):
+        return self.forward_with_hidden(batch, caches)[0]
 
 
 def _token_at(req: Request, i: int) -> int:
