@@ -213,9 +213,10 @@ class MtpDrafter:
 
         rows = min(256, self.max_seqs * (self.max_drafts + 1))
         self._step = _HeadStep(self.head, self.ops, rows)
-        graphs = DecodeGraphs(self._step, self.ops, self.caches, rows, main.width + 1,
-                              spare_block=main.spare_block, spare_slot=0)
-        graphs.capture()
+        with main.stream:           # the engine's stream (DecodeGraphs captures on the current one)
+            graphs = DecodeGraphs(self._step, self.ops, self.caches, rows, main.width + 1,
+                                  spare_block=main.spare_block, spare_slot=0)
+            graphs.capture()
         self.graphs = graphs
         log.info("MTP drafter: captured %d head graphs (row buckets %s)", len(graphs.graphs),
                  sorted(graphs.graphs))
