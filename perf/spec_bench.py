@@ -127,6 +127,15 @@ def mechanics(args) -> dict:
         on.speculation.enabled = True
         print(f"C={conc:4d} off            {ref['tok_s']:10.1f} tok/s  step {ref['step_p50_ms'] or 0:7.2f} ms",
               flush=True)
+        # one unmeasured run with drafts first: the verify path's one-time costs (the GEMM
+        # tuner meeting new row counts, first replays) belong to warm-up, not to the first rung
+        on.speculation.num_drafts = max(drafts)
+        if not mtp:
+            on.speculation.drafter = ReplayDrafter(ref["tokens"], 1.0, vocab, seed=1)
+        if args.force_acceptance:
+            on.runner.accepted = _forced_acceptance(1.0, 0)
+        _run(on, prompts, params)
+        on.runner.__dict__.pop("accepted", None)
         for k, p, adaptive in itertools.product(drafts, ps, modes):
             on.speculation.num_drafts = k
             on.speculation.adaptive = AdaptiveDrafts(cost) if adaptive else None
