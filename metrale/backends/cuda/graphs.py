@@ -296,7 +296,9 @@ STEP_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 # many tokens: their layout adds ForwardBatch.state_out and a logits row per token, and the GDN
 # layers of a step with state_out run the recurrent kernel token by token (a decode step's form),
 # which a long prefill chunk in the same step would pay for; larger verify steps run eagerly.
-VERIFY_BUCKETS = (16, 32, 64, 128)
+# Small buckets first: a single stream's window of 4 tokens in a 16-token bucket paid 12
+# padding rows through every GDN and attention layer.
+VERIFY_BUCKETS = (4, 8, 16, 32, 64, 128)
 
 
 def step_buckets_for(max_tokens: int, buckets=STEP_BUCKETS) -> list[int]:
