@@ -228,6 +228,7 @@ def test_mtp_drafter_on_the_gpu(tmp_path):
     runner = core.runner
     assert runner.graphs is not None and runner.verify_graphs is not None
     assert core.speculation.mtp.graphs is not None          # the head's own forwards too
+    assert core.speculation.mtp.chain is not None           # and each step's chain, one replay
     replays = {"decode": 0, "verify": 0}
 
     def counted(fn, key):
@@ -252,7 +253,7 @@ def test_mtp_drafter_on_the_gpu(tmp_path):
     assert replays["decode"] > 0 and replays["verify"] > 0
     with_graphs, drafted[:] = list(drafted), []
     runner.graphs = runner.step_graphs = runner.verify_graphs = None      # every forward eager
-    core.speculation.mtp.graphs = None
+    core.speculation.mtp.graphs = core.speculation.mtp.chain = None
     eager = run(core, ps, greedy(24))
     same = sum(a == b for a, b in zip(with_graphs, drafted))
     assert same >= 0.8 * max(len(with_graphs), len(drafted)), (same, len(with_graphs), len(drafted))

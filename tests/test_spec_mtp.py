@@ -516,3 +516,36 @@ def test_a_checkpoint_without_mtp_still_refuses_plain_speculative(tmp_path):
     path = make_tiny("qwen3_5", tmp_path / "plain", seed=1)
     with pytest.raises(ConfigError, match="no mtp"):
         engine(load_checkpoint(path))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tau", [0.0, "median"])
+def test_the_chain_as_one_pass_drafts_the_same(arch, tau, checkpoints, plain):
+    """The draft chain the CUDA chain graphs replay (metrale.spec.mtp._Chain: every step for
+    every request, each reading the previous step's argmax from the device buffer), run
+    eagerly over the same buffers on the CPU: every proposal equal to the oracle's, including
+    chains cut by --draft-confidence-stop and by a request's head blocks running out."""
+    from metrale.spec.mtp import _Chain
+
+    prompts = make_prompts(6, seed=7)
+    params = greedy(14)
+    expected = plain(arch, prompts, params)
+    stop = 0.0
+    if tau == "median":         # a TAU inside the head's range: chains of several lengths
+        probe = engine(checkpoints[arch])
+        spy = spy_on(probe)
+        run(probe, prompts, params)
+        oracle = Oracle(probe)
+        stop = float(np.median([p for _, toks, d, _ in spy.log
+                                for _, p, _ in oracle.chain(toks, len(d))]))
+    core = engine(checkpoints[arch], draft_confidence_stop=stop or None)
+    spy = spy_on(core, ReplayDrafter(expected, 0.7, VOCAB, seed=3))
+    head = core.speculation.mtp
+    width = -(-core.config.max_seq_len // BLOCK) + 1
+    head.chain = _Chain(head, [1, 2, 4], width, core._num_blocks)
+    calls = []
+    run_chain = head.chain.run
+    head.chain.run = lambda todo, tables: calls.append(len(todo)) or run_chain(todo, tables)
+    assert run(core, prompts, params, waves=2) == expected
+    assert calls and max(calls) > 1
+    check_drafts(core, spy, tau=stop)

@@ -165,6 +165,7 @@ class MtpDrafter:
         self.num_private_copies = 0     # cached blocks whose last head row was recomputed
         self.graphs = None              # CUDA: the head's forwards as decode graphs (capture_graphs)
         self._step = None
+        self.chain = None               # CUDA: a step's whole draft chain as one graph (_Chain)
 
     def size(self, max_seqs: int, max_drafts: int) -> None:
         """Speculation's limits (sizes the scratch blocks of chains; before bind)."""
@@ -194,7 +195,7 @@ class MtpDrafter:
         self._hidden_store = ops.zeros((self.main_blocks, hid))    # target hidden at a block's end
         self._next_tokens = np.full(self.main_blocks, -1, np.int64)  # the token its head row read
         rows = self.config.max_batch_size + 1
-        self._last = ops.zeros((rows, hid))
+        self._last = ops.zeros((rows + 1, hid))     # the last row: padding rows of the chain graphs
         self._free_rows = list(range(rows - 1, -1, -1))
         return True
 
@@ -217,9 +218,13 @@ class MtpDrafter:
             graphs = DecodeGraphs(self._step, self.ops, self.caches, rows, main.width + 1,
                                   spare_block=main.spare_block, spare_slot=0)
             graphs.capture()
-        self.graphs = graphs
-        log.info("MTP drafter: captured %d head graphs (row buckets %s)", len(graphs.graphs),
-                 sorted(graphs.graphs))
+            self.graphs = graphs
+            if self.max_drafts > 1:
+                self.chain = _Chain(self, graphs.graphs, main.width + 1, main.spare_block)
+                self.chain.capture(main.stream, graphs.pool)
+        log.info("MTP drafter: captured %d head graphs (row buckets %s)%s", len(graphs.graphs),
+                 sorted(graphs.graphs), f", draft chains of {self.max_drafts} as one graph per "
+                 "bucket" if self.chain is not None else "")
 
     def _head_forward(self, rows: "_Rows", target):
         """The head over `rows` reading the target hidden rows `target` ([rows, H]): output
@@ -374,6 +379,8 @@ class MtpDrafter:
                 todo.append((req, st, min(k, self.max_drafts)))
         if not todo:
             return
+        if self.chain is not None and self._propose_chain(todo):
+            return
         ops, bs = self.ops, self.block_size
         h = ops.embedding(np.asarray([st.row for _, st, _ in todo], np.int32), self._last)
         ids, probs = self._pick(h)
@@ -407,7 +414,29 @@ class MtpDrafter:
         for (req, _, _), d in zip(todo, drafts):
             req.draft_token_ids = d
 
-    def _goes_on(self, have: int, k: int, probs, r: int) -> bool:
+    def _propose_chain(self, todo) -> bool:
+        """The chain of every drafting request as one replay (_Chain): all its steps run for
+        every request (rows past a request's table write the spare block), and each request
+        keeps what the step-by-step loop would have drafted: up to its limit, ended by
+        --draft-confidence-stop or where its head blocks run out. False (nothing done) when the
+        chain graphs do not hold this step."""
+        tables = self._chain_tables(todo, range(len(todo)))
+        got = self.chain.run(todo, tables)
+        if got is None:
+            return False
+        ids, probs = got
+        bs = self.block_size
+        for i, (req, st, k) in enumerate(todo):
+            drafts = [int(ids[0, i])]
+            while (self._goes_on(len(drafts), k, probs, i, len(drafts) - 1)
+                   and (st.next_pos + len(drafts) - 1) // bs < len(tables[i])):
+                drafts.append(int(ids[len(drafts), i]))
+            req.draft_token_ids = drafts
+        return True
+
+    def _goes_on(self, have: int, k: int, probs, r: int, j: int | None = None) -> bool:
+        if j is not None:       # the chain graph's [steps + 1, rows] probabilities
+            return have < k and (self.tau <= 0 or float(probs[j, r]) >= self.tau)
         return have < k and (self.tau <= 0 or float(probs[r]) >= self.tau)
 
     def _pick(self, hidden):
@@ -565,6 +594,133 @@ class _Rows:
             logits_indices=np.arange(n, dtype=np.int32),
             block_size=block_size,
         )
+
+
+class _Chain:
+    """A step's draft chains as one CUDA graph per row bucket: the first draft from each
+    request's kept head output (MtpDrafter._last), then `steps` head rows, each reading the
+    previous row's argmax on the device (no host round trip between drafts), the argmax ids
+    (and with --draft-confidence-stop the top-1 probabilities) of every step left in a buffer
+    read once. Positions, block tables and slots of every step are known before the chain runs
+    (they do not depend on the drafts): the host writes them all at once. Without `capture`
+    (the CPU backend, tests) the same forward runs eagerly over the same buffers."""
+
+    def __init__(self, drafter, buckets, width: int, spare_block: int):
+        self.d = drafter
+        self.steps = drafter.max_drafts - 1
+        self.width, self.bs = width, drafter.block_size
+        self.spare_block = spare_block
+        self.spare_row = drafter._last.shape[0] - 1
+        self.buckets = {b: self._buffers(b) for b in sorted(buckets) if b <= drafter.max_seqs}
+        if not self.buckets or max(self.buckets) < drafter.max_seqs:
+            self.buckets[drafter.max_seqs] = self._buffers(drafter.max_seqs)
+
+    def _buffers(self, b: int) -> dict:
+        ops, S, W = self.d.ops, self.steps, self.width
+        host = dict(src=np.full(b, self.spare_row, np.int32), pos=np.zeros((S, b), np.int32),
+                    lens=np.ones((S, b), np.int32), slots=np.full((S, b), self.spare_block * self.bs,
+                                                                  np.int32),
+                    tables=np.full((S, b, W), self.spare_block, np.int32))
+        xp = getattr(ops, "cp", np)         # int32 / fp32 buffers in the backend's array module
+        dev = {k: xp.array(v) for k, v in host.items()}
+        dev.update(ids=xp.zeros((S + 1, b), dtype=np.int32),
+                   probs=xp.zeros((S + 1, b), dtype=np.float32),
+                   qsl=xp.arange(b + 1, dtype=np.int32), state=xp.zeros(b, dtype=np.int32),
+                   li=xp.arange(b, dtype=np.int32))
+        return dict(host=host, dev=dev, graph=None)
+
+    def capture(self, stream, pool) -> None:
+        """Capture every bucket on the engine's stream, from the head graphs' memory pool (the
+        graphs replay one at a time on that stream, so they may share it)."""
+        from metrale.backends.cuda.graphs import capture_forward
+
+        d = self.d
+        self.stream = stream
+        with d.ops.cp.cuda.using_allocator(pool.malloc), stream:
+            for b in sorted(self.buckets, reverse=True):
+                g = self.buckets[b]
+                g["graph"] = capture_forward(_ChainStep(self, g), None, d.caches, stream,
+                                             d.ops.launch)[0]
+
+    def forward(self, g) -> None:
+        """The chain over bucket `g`'s device buffers."""
+        d, ops, dev = self.d, self.d.ops, g["dev"]
+        h = ops.embedding(dev["src"], d._last)
+        self._pick(h, dev, 0)
+        for s in range(self.steps):
+            batch = ForwardBatch(input_ids=dev["ids"][s], positions=dev["pos"][s],
+                                 query_start_loc=dev["qsl"], seq_lens=dev["lens"][s],
+                                 block_tables=dev["tables"][s], slot_mapping=dev["slots"][s],
+                                 state_slots=dev["state"], logits_indices=dev["li"],
+                                 block_size=self.bs)
+            h = d.head.forward(batch, h, d.caches)
+            self._pick(h, dev, s + 1)
+
+    def _pick(self, h, dev, j: int) -> None:
+        d = self.d
+        logits = d.head.logits(h, d.vocab_limit)
+        dev["ids"][j] = logits.argmax(axis=1).astype(np.int32)
+        if d.tau > 0:
+            xp = getattr(d.ops, "cp", np)
+            top = logits.max(axis=1, keepdims=True)
+            dev["probs"][j] = 1.0 / xp.exp(logits - top).sum(axis=1)
+
+    def run(self, todo, tables):
+        """([steps + 1, n] draft ids, the same of probabilities or None) on the host, or None
+        when no bucket holds `todo` (or a table is wider than the graphs')."""
+        n = len(todo)
+        b = next((b for b in self.buckets if b >= n), None)
+        if b is None or any(len(tables[i]) > self.width for i in range(n)):
+            return None
+        g = self.buckets[b]
+        h, bs = g["host"], self.bs
+        h["src"][:] = self.spare_row
+        h["pos"][:] = 0
+        h["lens"][:] = 1
+        h["slots"][:] = self.spare_block * bs
+        h["tables"][:] = self.spare_block
+        for i, (_, st, _) in enumerate(todo):
+            h["src"][i] = st.row
+            table = tables[i]
+            for s in range(self.steps):
+                pos = st.next_pos + s
+                if pos // bs >= len(table):
+                    break           # no head block there: the row stays on the spare block
+                h["pos"][s, i], h["lens"][s, i] = pos, pos + 1
+                h["slots"][s, i] = table[pos // bs] * bs + pos % bs
+                h["tables"][s, i, : len(table)] = table
+        ops, dev = self.d.ops, g["dev"]
+        if g["graph"] is None:          # eager (CPU backend, tests)
+            for k, v in h.items():
+                dev[k][...] = v
+            self.forward(g)
+        else:
+            with self.stream:
+                for k, v in h.items():
+                    dev[k].set(v, stream=self.stream)
+                g["graph"].launch(stream=self.stream)
+                return self._read(dev, n)
+        return self._read(dev, n)
+
+    def _read(self, dev, n: int):
+        ops = self.d.ops
+        ids = ops.to_numpy(dev["ids"])[:, :n]
+        probs = ops.to_numpy(dev["probs"])[:, :n] if self.d.tau > 0 else None
+        return ids, probs
+
+
+class _ChainStep:
+    """capture_forward's model for one chain bucket (its batch argument is unused)."""
+
+    def __init__(self, chain: _Chain, g: dict):
+        self.chain, self.g = chain, g
+
+    def forward(self, batch, caches):
+        self.chain.forward(self.g)
+
+    def forward_with_hidden(self, batch, caches):
+        self.chain.forward(self.g)
+        return None, None
 
 
 class _HeadStep:
