@@ -64,16 +64,19 @@ class Health(Resource):
     async def on_get(self, req, resp):
         info = self.worker.ready()
         try:
-            await self.worker.client.control(wire.HealthCheck())
+            health = await self.worker.client.control(wire.HealthCheck())
         except EngineUnavailable as e:
             self.worker.engine_lost()
             raise errors.engine_unavailable(str(e))
+        if health.get("status", "ok") != "ok":      # a hot swap drains or loads
+            raise errors.engine_unavailable(health.get("detail") or health["status"])
         json_response(resp, {"status": "ok", "model": info.get("name")})
 
 
 class Metrics(Resource):
     async def on_get(self, req, resp):
-        self.worker.ready()
+        if self.worker.swapping is None:     # during a hot swap the engine still answers
+            self.worker.ready()
         try:
             stats = await self.worker.client.control(wire.StatsQuery())
         except EngineUnavailable as e:
