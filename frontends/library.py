@@ -104,7 +104,8 @@ class LoadModel(Resource):
         result = {"object": "model_load", "swap_id": accepted["swap_id"],
                   "target": accepted["target"], "warnings": accepted.get("warnings", [])}
         if not wait:
-            json_response(resp, {**result, "status": accepted["state"]}, 202)
+            json_response(resp, {**result, "status": accepted["state"],
+                                 "in_flight": accepted.get("in_flight", 0)}, 202)
             return
         last = await wait_for_swap(self.worker, accepted["swap_id"], timeout)
         if last is None:

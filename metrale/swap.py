@@ -272,7 +272,8 @@ class Swap:
                  len(self.server.live))
         self.server.notify_frontends(wire.ModelChanged(DRAINING, target.label))
         return {"accepted": True, "swap_id": self.swap_id, "state": DRAINING,
-                "target": target.label, "warnings": target.warnings}
+                "target": target.label, "warnings": target.warnings,
+                "in_flight": len(self.server.live)}
 
     def accepting(self) -> bool:
         return self.state == SERVING
