@@ -12,7 +12,8 @@ everywhere), as a JSON record (metrale.records: commit, device, harness hash, si
 
 The record's `swaps` list holds one entry per swap (target, seconds to the POST's answer, to the
 first completion served, the engine's own swap time, memory after it); `summary` gives per
-model the first and last memory after loading it and the largest drift from the first, in %.
+model the memory after the first swap to it, after the last, and the largest drift from the
+first, in %.
 """
 from __future__ import annotations
 
@@ -141,10 +142,13 @@ def one_swap(url: str, target: str) -> dict:
 
 
 def summary(swaps: list[dict], initial: dict) -> dict:
+    """Per model: memory after the first swap to it against every later one (the server's
+    first load is left out: the process's own one-off costs, kernels compiled and modules
+    imported, land there and in the first swap to the other model)."""
     key = "device_used_bytes" if "device_used_bytes" in initial["memory"] else "rss_bytes"
     out = {"memory_key": key}
-    for target in sorted({s["to"] for s in swaps} | {initial["to"]}):
-        mem = [s["memory"][key] for s in [initial, *swaps] if s["to"] == target]
+    for target in sorted({s["to"] for s in swaps}):
+        mem = [s["memory"][key] for s in swaps if s["to"] == target]
         times = [s["time_to_serve_s"] for s in swaps if s["to"] == target]
         out[target] = {"loads": len(mem), "memory_first": mem[0], "memory_last": mem[-1],
                        "memory_max_drift_pct": round(100 * max(abs(m - mem[0]) for m in mem)
