@@ -37,6 +37,7 @@ MODEL_INFO_RETRY_S = 0.5
 MODEL_INFO_TIMEOUT_S = 1.0     # per model_info attempt while the engine loads or restarts
 FIRST_READY_WAIT_S = 15.0      # a request waits this long for a starting worker's first model_info
 PROBE_TIMEOUT_S = 2.0
+SWAP_WATCH_S = 1.0             # how often a worker asks the engine's health during a hot swap
 
 
 @dataclass
@@ -151,6 +152,8 @@ class Worker:
         serves again, model_info is fetched again (the new model's tokenizer, template, name,
         context length) before the next request is served."""
         if msg.state != "serving":
+            if self.swapping is None:
+                asyncio.get_running_loop().create_task(self._watch_swap())
             self.swapping = msg
             return
         if self.ready_info is not None and self.ready_info.get("load_id") == msg.load_id:
@@ -162,9 +165,25 @@ class Worker:
             self._loader.cancel()
         self._loader = asyncio.get_running_loop().create_task(self._load_model_info())
 
+    async def _watch_swap(self) -> None:
+        """While a swap is under way, ask the engine's health now and then: the end of a swap
+        is noticed even if its ModelChanged never reached this worker."""
+        while self.swapping is not None:
+            await asyncio.sleep(SWAP_WATCH_S)
+            try:
+                health = await self.client.control(wire.HealthCheck(), timeout_s=PROBE_TIMEOUT_S)
+            except (EngineUnavailable, ControlError):
+                continue
+            if health.get("status") == "ok" and self.swapping is not None:
+                self.model_changed(wire.ModelChanged("serving", health.get("model", ""),
+                                                     health.get("load_id", 0)))
+
     def ready(self) -> dict:
         """The model info; 503 while the engine has not answered yet or a swap is under way."""
         if self.swapping is not None:
+            if self.swapping.state == "empty":
+                raise errors.engine_unavailable("no model is loaded: the last swap failed and "
+                                                "the previous model could not be restored")
             target = f" to {self.swapping.model}" if self.swapping.model else ""
             raise errors.engine_unavailable(f"the server is swapping models{target}: "
                                             f"{self.swapping.state}")

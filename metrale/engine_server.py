@@ -409,7 +409,8 @@ class EngineServer:
     def _health(self, msg: wire.HealthCheck) -> wire.ControlReply:
         """status "ok", or the swap's state ("draining", "loading", "empty") with why."""
         if self.swap.accepting():
-            return wire.ControlReply(True, {"status": "ok", "model": self.model_info.name})
+            return wire.ControlReply(True, {"status": "ok", "model": self.model_info.name,
+                                            "load_id": self.model_info.load_id})
         return wire.ControlReply(True, {"status": self.swap.state, "detail": self.swap.why_not()})
 
     def _model_info(self, msg: wire.ModelInfoQuery) -> wire.ControlReply:
