@@ -124,7 +124,8 @@ def test_library_page_renders_and_swaps(server, browser, tmp_path):
     _wait(lambda: "serving page-bravo" in _text(browser, "message"), what="the swap's outcome")
     assert _text(browser, "live-recipe") == BRAVO
     assert "page-alpha → page-bravo" in _text(browser, "last-swap")
-    assert requests.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"] == BRAVO
+    _wait(lambda: requests.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+          == BRAVO, what="the API serving the new model")
 
     shot = tmp_path / "library.png"
     assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
