@@ -51,7 +51,7 @@ from frontends.generate import ChoiceDone, TokenInfo
 from frontends.request_plumbing import (GenerateRoute, Resource, check_ids, choice_specs,
                                         encode_prompt, json_response, prepare_chat,
                                         render_chat)
-from frontends.worker import Worker
+from frontends.worker import PROBE_TIMEOUT_S, Worker
 from metrale import wire
 from metrale.api import errors
 from metrale.api import openai_schema as schema
@@ -75,10 +75,11 @@ class Health(Resource):
 
 class Metrics(Resource):
     async def on_get(self, req, resp):
-        if self.worker.swapping is None:     # during a hot swap the engine still answers
-            self.worker.ready()
+        # whenever the engine answers: during a hot swap too, and before this worker has
+        # fetched model_info (a short wait then: the engine may not be up yet)
+        wait = None if self.worker.ready_info is not None else PROBE_TIMEOUT_S
         try:
-            stats = await self.worker.client.control(wire.StatsQuery())
+            stats = await self.worker.client.control(wire.StatsQuery(), timeout_s=wait)
         except EngineUnavailable as e:
             raise errors.engine_unavailable(str(e))
         resp.content_type = "text/plain; version=0.0.4; charset=utf-8"
