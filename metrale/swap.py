@@ -108,6 +108,9 @@ def recipe_target(recipe, base) -> SwapTarget:
     warnings = [f"recipe {recipe.name}: --{k.replace('_', '-')} is ignored by a hot swap (the "
                 "process keeps its own: the socket is bound once)"
                 for k in PROCESS_FLAGS if k.replace("_", "-") in recipe.serve]
+    warnings += [f"recipe {recipe.name}: {k} is read by the frontends, which a hot swap does "
+                 "not restart: it is ignored" for k in recipe.env
+                 if levers.LEVERS[k].reader.startswith("frontends/")]
     try:
         model = default_model_path() if recipe.checkpoint == recipes.EMBEDDED else recipe.checkpoint
         fields = model_spec_fields(args, model)
@@ -117,18 +120,36 @@ def recipe_target(recipe, base) -> SwapTarget:
     return SwapTarget(dataclasses.replace(base, **fields), recipe.name, warnings)
 
 
-def auto_target(name: str, live_info: wire.ModelInfo, live_spec):
+class RecipeIndex:
+    """Every recipe that loads and the refusals of those that do not, read again only when a
+    recipe file changed: --auto-swap asks on every request that names another model, and the
+    Library every two seconds."""
+
+    def __init__(self):
+        self.key, self.recipes, self.errors = None, [], []
+
+    def get(self) -> tuple[list, list]:
+        from metrale import recipes
+
+        files = sorted((str(p), p.stat().st_mtime_ns) for d in recipes.recipe_dirs()
+                       for p in d.glob("*.toml"))
+        if self.key != files:
+            self.recipes, self.errors = [], []
+            for name in recipes.names():
+                try:
+                    self.recipes.append(recipes.load(name))
+                except recipes.RecipeError as e:
+                    self.errors.append(str(e))
+            self.key = files
+        return self.recipes, self.errors
+
+
+def auto_target(name: str, live_info: wire.ModelInfo, live_spec, known: list):
     """--auto-swap: the recipe a request's model name resolves to, or None (unrecognised, or the
     model already live): the request is then answered as without --auto-swap."""
-    from metrale import recipes
-
     if name in (live_info.name, live_spec.model, live_spec.recipe):
         return None
-    for recipe_name in recipes.names():
-        try:
-            recipe = recipes.load(recipe_name)
-        except recipes.RecipeError:
-            continue
+    for recipe in known:
         served = recipe.serve.get("model-name") or recipe.serve.get("served-model-name")
         if name in (recipe.name, recipe.checkpoint, served):
             if recipe.name == live_spec.recipe or recipe.checkpoint == live_spec.model \
@@ -245,6 +266,7 @@ class Swap:
         self.swap_id = 0
         self.last: dict | None = None          # the outcome of the last swap
         self.loaded_at = time.time()
+        self.recipes = RecipeIndex()
 
     # -- requests ---------------------------------------------------------------------------
     def request(self, msg: wire.LoadModel) -> dict:
@@ -257,7 +279,8 @@ class Swap:
             raise SwapRefused(400, "swap_unsupported", "this engine was not started by `met "
                               "serve` (no spec to swap from)")
         if msg.auto:
-            recipe = auto_target(msg.model, self.server.model_info, base)
+            recipe = auto_target(msg.model, self.server.model_info, base,
+                                 self.recipes.get()[0])
             if recipe is None:
                 return {"accepted": False, "reason": "not a different model with a known recipe"}
             target = recipe_target(recipe, base)
@@ -433,21 +456,16 @@ def library(server) -> dict:
                 "checkpoint": spec.model, "max_seq_len": info.max_seq_len,
                 "load_id": info.load_id, "device": server.core.ops.name,
                 "loaded_at": server.swap.loaded_at}
-    return {"live": live, "swap": server.swap.status(), "recipes": recipe_list(),
+    return {"live": live, "swap": server.swap.status(),
+            "recipes": recipe_list(server.swap.recipes),
             "hf_cache": hf_cache_models(spec.cache_dir if spec else None),
             "memory": memory_figures(server.core)}
 
 
-def recipe_list() -> dict:
-    from metrale import recipes
-
-    out, errors = [], []
-    for name in recipes.names():
-        try:
-            r = recipes.load(name)
-        except recipes.RecipeError as e:
-            errors.append(str(e))
-            continue
+def recipe_list(index: RecipeIndex) -> dict:
+    loaded, errors = index.get()
+    out = []
+    for r in loaded:
         out.append({"name": r.name, "description": r.description, "checkpoint": r.checkpoint,
                     "family": r.family, "format": r.format, "notes": r.notes,
                     "command": r.command(), "device": r.serve.get("device", "auto")})
