@@ -113,7 +113,8 @@ class LoadModel(Resource):
                                  "detail": f"still loading after {timeout:g}s; GET /v1/library "
                                            "follows it"}, 202)
             return
-        await self.worker_ready(last)
+        if last.get("served"):
+            await self.worker_ready(last)
         json_response(resp, *load_outcome(result, last))
 
     async def worker_ready(self, last: dict) -> None:

@@ -146,12 +146,13 @@ class Supervisor:
         try:
             with urllib.request.urlopen(url, timeout=0.5) as r:
                 ok = r.status == 200
-        except (urllib.error.URLError, OSError, ValueError):
+                served = json.loads(r.read()).get("model")   # a hot swap may have changed it
+        except (urllib.error.URLError, OSError, ValueError, AttributeError):
             ok = False
         if ok:
             self._announced = True
-            log.info("serving %s on %s", self.engine_spec.model_name or self.engine_spec.model,
-                     url.rsplit("/", 1)[0])
+            log.info("serving %s on %s", served or self.engine_spec.model_name
+                     or self.engine_spec.model, url.rsplit("/", 1)[0])
 
     def _stop_all(self) -> None:
         for proc in (self.frontends, self.engine):   # frontends first: no new requests

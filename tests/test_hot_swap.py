@@ -273,6 +273,32 @@ def test_swaps_are_journalled(server, models):
     assert events[-1]["load_id"] > events[0]["load_id"]
 
 
+def test_no_model_left_when_the_restore_fails_too_then_a_load_serves_again(models, tmp_path):
+    """The failed load's restore finds the old checkpoint gone: no model is served (503
+    model_not_loaded + Retry-After, /health too), the Library says so, and a later load works."""
+    gone = tmp_path / "alpha-copy"
+    shutil.copytree(models["alpha"], gone)
+    with Server(["serve", str(gone), "--model-name", "doomed", "--device", "cpu",
+                 "--max-seq-len", "1024", "--frontends", "1"], tmp_path / "serve.log",
+                env=_env(models)).serving(180) as srv:
+        shutil.rmtree(gone)
+        r = load(srv.url, recipe="tiny-corrupt")
+        assert r.status_code == 503 and r.json()["status"] == "empty", r.text
+        assert "restoring the previous model failed" in r.json()["error"]["message"]
+        lib = library(srv.url)
+        assert lib["live"] is None and lib["swap"]["state"] == "empty"
+        for path in ("/v1/models", "/health"):
+            r = requests.get(srv.url + path, timeout=30)
+            assert r.status_code == 503 and r.headers["Retry-After"], (path, r.text)
+            assert r.json()["error"]["code"] == "model_not_loaded"
+        r = chat(srv.url)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_loaded"
+        assert swap_to(srv.url, recipe=BRAVO)["model"] == BRAVO
+        assert chat(srv.url).json()["model"] == BRAVO
+        assert requests.get(srv.url + "/health", timeout=30).status_code == 200
+        assert "ModelLoadFailed" in [e["type"] for e in model_events(tmp_path / "events")]
+
+
 # ---- auth, the admin key, --auto-swap and the rate limiter -------------------------------------
 
 USER = {"Authorization": "Bearer user-key"}
