@@ -24,6 +24,9 @@ import requests
 from metrale.events import read_events
 from tests.scripted_model import SERVE_ENV, make_scripted_model
 from tests.serving import CHATML, Server, make_tiny_chat_model
+from tests.slow_load_model import DELAY_KEY
+
+LOAD_DELAY_S = 4.0
 
 ALPHA, BRAVO = "tiny-alpha", "tiny-bravo"
 ALPHA_REPLY = "alpha " * 200
@@ -67,11 +70,17 @@ def models(tmp_path_factory):
     _recipe(recipes, "tiny-unsupported", unsupported, "tiny-unsupported")
     _recipe(recipes, "tiny-two-ranks", bravo, "tiny-two", **{"tensor-parallel-size": 2})
     _recipe(recipes, "tiny-other-port", bravo, "tiny-port", port=9999)
+    slow = root / "slow"
+    shutil.copytree(bravo, slow)
+    (slow / "config.json").write_text(json.dumps({**config, DELAY_KEY: LOAD_DELAY_S}))
+    _recipe(recipes, "tiny-slow", slow, "tiny-slow")
     return {"alpha": alpha, "bravo": bravo, "recipes": recipes, "root": root}
 
 
 def _env(models, **more) -> dict:
-    return {**SERVE_ENV, "METRALE_RECIPES_PATH": str(models["recipes"]), **more}
+    plugins = f"{SERVE_ENV['METRALE_MODEL_PLUGINS']},tests.slow_load_model"
+    return {"METRALE_MODEL_PLUGINS": plugins, "METRALE_RECIPES_PATH": str(models["recipes"]),
+            **more}
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +218,42 @@ def test_after_a_swap_the_new_models_tokenizer_and_template_serve(server, models
     reply = chat(server.url, max_tokens=3).json()        # named for its folder: no recipe
     assert reply["model"] == "alpha" and reply["choices"][0]["message"]["content"] == "alp"
     assert library(server.url)["live"]["recipe"] is None
+
+
+def test_while_a_model_loads_the_engine_answers_and_refuses_with_503(server, models):
+    """The loading phase (the engine's loop busy building): /health, model routes and a second
+    load answer at once (the engine's LoadingResponder), the Library shows the progress, and
+    no worker takes the engine for lost."""
+    swap_to(server.url, recipe=ALPHA)
+    r = load(server.url, recipe="tiny-slow", wait=False)
+    assert r.status_code == 202, r.text
+    lib = _until(lambda: (lib := library(server.url))["swap"]["state"] == "loading" and lib)
+    assert lib["swap"]["target"] == "tiny-slow" and lib["live"] is None
+    t0 = time.monotonic()
+    health = requests.get(server.url + "/health", timeout=30)
+    assert health.status_code == 503 and health.headers["Retry-After"]
+    assert health.json()["error"]["code"] == "model_not_loaded"
+    r = chat(server.url)
+    assert r.status_code == 503 and r.headers["Retry-After"]
+    r = load(server.url, recipe=BRAVO)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "swap_in_progress"
+    assert time.monotonic() - t0 < LOAD_DELAY_S / 2          # answered, not queued behind it
+    later = library(server.url)["swap"]
+    assert later["state"] == "loading" and later["elapsed_s"] > lib["swap"]["elapsed_s"]
+    wait_served(server.url, "tiny-slow")
+    last = library(server.url)["swap"]["last"]
+    assert last["ok"] and last["seconds"] >= LOAD_DELAY_S
+    assert chat(server.url).status_code == 200
+
+
+def _until(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError("not within the timeout")
 
 
 def test_unsupported_model_is_refused_before_anything_is_released(server, models):
