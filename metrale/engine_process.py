@@ -44,6 +44,7 @@ class EngineSpec:
     load_format: str = "auto"                      # auto | dummy (random weights, benchmarks)
     recipe: str | None = None                      # the recipe `met run` / a swap loaded
     env: dict = field(default_factory=dict)        # that recipe's levers (metrale.swap applies them)
+    resume: bool = False                           # a restart: the model swapped in, if any, again
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -216,6 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         import_model_plugins()
+        if spec.resume and spec.journal_dir:
+            from metrale.swap import resumed_spec
+
+            spec = resumed_spec(spec)
+            os.environ.update(spec.env)          # a resumed recipe's levers
         server = build_server(spec)
     except Exception as e:  # noqa: BLE001 - reported, then a non-zero exit
         log.error("the engine could not start: %s", e, exc_info=log.isEnabledFor(logging.DEBUG))

@@ -45,7 +45,7 @@ from metrale.ratelimit import RateLimiter
 from metrale.recovery import abort_unfinished
 from metrale.request import Request
 from metrale.scheduler import QueueFull
-from metrale.swap import Swap, SwapRefused, library
+from metrale.swap import Swap, SwapRefused, library, spec_record
 
 log = logging.getLogger("metrale.engine")
 requests_log = logging.getLogger("metrale.requests")
@@ -162,7 +162,8 @@ class EngineServer:
         if self.journal:
             abort_unfinished(self.journal, self.emit)   # what a killed predecessor left open
         self.emit("ModelLoaded", model=self.model_info.name, model_type=self.model_info.model_type,
-                  recipe=self.model_info.recipe, load_id=self.model_info.load_id)
+                  recipe=self.model_info.recipe, load_id=self.model_info.load_id,
+                  spec=spec_record(self.spec) if self.spec is not None else None)
         while self.running:
             busy = self._busy()
             ready = dict(self.poller.poll(0 if busy else 50))

@@ -394,7 +394,8 @@ class Swap:
             server.metrics.model = info.name
             server.emit("ModelLoaded", model=info.name, model_type=info.model_type,
                         recipe=info.recipe, load_id=info.load_id, swap_id=self.swap_id,
-                        seconds=round(seconds, 3), error=outcome.get("error"))
+                        seconds=round(seconds, 3), error=outcome.get("error"),
+                        spec=spec_record(server.spec))
             server.notify_frontends(wire.ModelChanged(SERVING, info.name, info.load_id))
             log.info("swap %d: serving %s after %.2fs%s", self.swap_id, info.name, seconds,
                      "" if outcome["ok"] else f" (restored: {outcome['error']})")
@@ -443,6 +444,39 @@ class LoadingResponder(threading.Thread):
     def stop(self) -> None:
         self.stopped.set()
         self.join()
+
+
+# ---- a restarted engine serves the model swapped in ------------------------------------------
+
+SPEC_FIELDS = ("model", "engine_config", "cache_dir", "model_name", "disable_template_overrides",
+               "chat_template", "frontend", "load_format", "recipe", "env")
+
+
+def spec_record(spec) -> dict:
+    """What of an EngineSpec a ModelLoaded event carries: the model's fields (not the process's
+    sockets and journal), so an engine restarted after a crash loads what was live."""
+    return {k: getattr(spec, k) for k in SPEC_FIELDS}
+
+
+def resumed_spec(spec):
+    """`spec` with the model of the journal's last ModelLoaded (each carries the spec of the
+    model it loaded): the supervisor restarts a crashed engine from its command line's spec,
+    and it must come back with the model that was live, a hot swap's, not the one `met serve`
+    started with."""
+    from metrale.events import scan_segment, segments
+
+    for path in reversed(segments(spec.journal_dir)):
+        loaded = [e for e in scan_segment(path) if isinstance(e, dict)
+                  and e.get("type") == "ModelLoaded"]
+        if loaded:
+            fields = loaded[-1].get("spec")
+            if not isinstance(fields, dict):
+                return spec
+            log.info("resuming %s, the model live before the restart (swap %s)",
+                     fields.get("model"), loaded[-1].get("swap_id"))
+            return dataclasses.replace(spec, **{k: v for k, v in fields.items()
+                                                if k in SPEC_FIELDS})
+    return spec
 
 
 # ---- the Library's data ------------------------------------------------------------------------
