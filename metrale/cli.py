@@ -594,8 +594,8 @@ def cmd_dump_serve_options(parser: argparse.ArgumentParser) -> int:
                         if isinstance(a, argparse._SubParsersAction)).choices["serve"]
     flags = {}
     for action in serve_parser._actions:
-        if not action.option_strings or action.dest == "help":
-            continue
+        if not action.option_strings or action.dest == "help" or action.help == argparse.SUPPRESS:
+            continue            # --recipe: set by `met run`, not a flag of the command line
         ours = [o for o in action.option_strings if o not in _ALIAS_SPELLINGS]
         flags[max(ours, key=len)] = {
             "default": action.default, "aliases": action.option_strings,
