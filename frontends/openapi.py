@@ -249,6 +249,30 @@ def _post(summary: str, request: str, ok: dict, error: str = "Error", sse: bool 
         JSON: {"schema": _ref(request)}}}, "responses": responses}
 
 
+def _load_model(gated: list) -> dict:
+    """POST /v1/models/load (frontends.library): a hot swap."""
+    op = _post("swap the served model (a recipe, or an HF id / path with the server's flags); "
+               "an admin key (--admin-token) when auth is on", "LoadModelRequest",
+               {"type": "object"})
+    op["responses"].update({
+        "202": {"description": "accepted (wait: false), or still loading at the timeout",
+                "content": {JSON: {"schema": {"type": "object"}}}},
+        "403": {"description": "the key is not an admin key",
+                "content": {JSON: {"schema": _ref("Error")}}},
+        "409": {"description": "a swap is already under way",
+                "content": {JSON: {"schema": _ref("Error")}}},
+        "422": {"description": "the load failed; the previous model was restored",
+                "content": {JSON: {"schema": {"type": "object"}}}}})
+    return {**op, "security": gated}
+
+
+LOAD_MODEL_REQUEST = {"type": "object", "properties": {
+    "recipe": {"type": "string", "minLength": 1}, "model": {"type": "string", "minLength": 1},
+    "wait": {"type": "boolean"}, "timeout": {"type": "number", "exclusiveMinimum": 0,
+                                             "maximum": 3600}},
+    "additionalProperties": False, "description": "exactly one of recipe or model"}
+
+
 def spec(model: str | None = None, max_seq_len: int | None = None, require_auth: bool = False,
          metrics_public: bool = False, max_messages: int = 2048) -> dict:
     gated = [{"bearerAuth": []}, {"apiKeyHeader": []}] if require_auth else []
@@ -291,10 +315,15 @@ def spec(model: str | None = None, max_seq_len: int | None = None, require_auth:
         "/v1/messages/count_tokens": {"post": {**_post(
             "Anthropic token count of a Messages request", "AnthropicCountTokensRequest",
             _ref("AnthropicTokenCount"), "AnthropicError"), "security": gated}},
+        "/v1/library": {"get": {"summary": "the live model, the hot-swap state, the recipes, "
+                                           "the HF cache's models, memory (the Library page)",
+                                "security": gated, "responses": _responses({"type": "object"})}},
+        "/v1/models/load": {"post": _load_model(gated)},
     }
     schemas = {"ChatCompletionRequest": _chat_request(max_seq_len, max_messages),
                "CompletionRequest": _completion_request(max_seq_len),
                "TokenizeRequest": tokenize, "DetokenizeRequest": detokenize,
+               "LoadModelRequest": LOAD_MODEL_REQUEST,
                **_response_schemas(), **_anthropic_schemas(max_seq_len, max_messages)}
     title = f"Metrale ({model})" if model else "Metrale"
     return {

@@ -49,13 +49,17 @@ class Resource:
         body = await read_json(req, self.worker.settings)
         if not isinstance(body, dict):
             raise errors.invalid("the request body must be a JSON object")
+        await self.worker.auto_swap(body.get("model"), info["name"])
         schema.check_model(body.get("model"), info["name"])
         return info, body
 
     async def _parsed(self, req, parse):
         """The request body through `parse` (a schema parser), its model checked."""
         info = await self.worker.ready_soon()
-        parsed = parse(await read_json(req, self.worker.settings))
+        body = await read_json(req, self.worker.settings)
+        if isinstance(body, dict):
+            await self.worker.auto_swap(body.get("model"), info["name"])
+        parsed = parse(body)
         schema.check_model(parsed.model, info["name"])
         return parsed
 

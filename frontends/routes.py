@@ -51,7 +51,7 @@ from frontends.generate import ChoiceDone, TokenInfo
 from frontends.request_plumbing import (GenerateRoute, Resource, check_ids, choice_specs,
                                         encode_prompt, json_response, prepare_chat,
                                         render_chat)
-from frontends.worker import Worker
+from frontends.worker import PROBE_TIMEOUT_S, Worker
 from metrale import wire
 from metrale.api import errors
 from metrale.api import openai_schema as schema
@@ -64,18 +64,22 @@ class Health(Resource):
     async def on_get(self, req, resp):
         info = self.worker.ready()
         try:
-            await self.worker.client.control(wire.HealthCheck())
+            health = await self.worker.client.control(wire.HealthCheck())
         except EngineUnavailable as e:
             self.worker.engine_lost()
             raise errors.engine_unavailable(str(e))
+        if health.get("status", "ok") != "ok":      # a hot swap drains or loads
+            raise errors.engine_unavailable(health.get("detail") or health["status"])
         json_response(resp, {"status": "ok", "model": info.get("name")})
 
 
 class Metrics(Resource):
     async def on_get(self, req, resp):
-        self.worker.ready()
+        # whenever the engine answers: during a hot swap too, and before this worker has
+        # fetched model_info (a short wait then: the engine may not be up yet)
+        wait = None if self.worker.ready_info is not None else PROBE_TIMEOUT_S
         try:
-            stats = await self.worker.client.control(wire.StatsQuery())
+            stats = await self.worker.client.control(wire.StatsQuery(), timeout_s=wait)
         except EngineUnavailable as e:
             raise errors.engine_unavailable(str(e))
         resp.content_type = "text/plain; version=0.0.4; charset=utf-8"

@@ -1,8 +1,9 @@
 """A frontend worker's per-process state and the request plumbing every route shares.
 
     Worker          the engine client, the model's tokenizer and chat template (from the
-                    engine's `model_info`, so a frontend on another host needs no model files),
-                    the auth check and the engine-kept rate limits
+                    engine's `model_info`, so a frontend on another host needs no model files,
+                    fetched again after a hot swap: metrale.swap), the auth check (and the
+                    admin check of model loading), --auto-swap and the engine-kept rate limits
     FrontendSettings
     read_json       a request body as checked JSON (frontends.limits)
     write_error     an APIError as the response (the OpenAI shape; Anthropic's on /v1/messages*)
@@ -27,7 +28,7 @@ from metrale import levers, wire
 from metrale.api import errors
 from metrale.api.errors import APIError
 from metrale.chat import ChatTemplate
-from metrale.client import AsyncEngineClient, EngineUnavailable
+from metrale.client import AsyncEngineClient, ControlError, EngineUnavailable
 from metrale.tokenizer import Tokenizer
 
 log = logging.getLogger("metrale.frontend")
@@ -36,6 +37,7 @@ MODEL_INFO_RETRY_S = 0.5
 MODEL_INFO_TIMEOUT_S = 1.0     # per model_info attempt while the engine loads or restarts
 FIRST_READY_WAIT_S = 15.0      # a request waits this long for a starting worker's first model_info
 PROBE_TIMEOUT_S = 2.0
+SWAP_WATCH_S = 1.0             # how often a worker asks the engine's health during a hot swap
 
 
 @dataclass
@@ -44,6 +46,8 @@ class FrontendSettings:
     auth_tokens: list[str] = field(default_factory=list)
     require_auth: bool = False
     metrics_public: bool = False
+    admin_tokens: list[str] = field(default_factory=list)   # may load models (also in auth_tokens)
+    auto_swap: bool = False
     max_body_bytes: int = 32 * 2**20
     body_timeout_s: float = 30.0
     control_timeout_s: float = 5.0
@@ -78,11 +82,14 @@ class Worker:
         self._loader: asyncio.Task | None = None
         self._ever_ready = False
         self._key_digests = [_digest(t) for t in settings.auth_tokens]
+        self._admin_digests = [_digest(t) for t in settings.admin_tokens]
+        self.swapping: wire.ModelChanged | None = None   # a swap under way (not serving)
 
     async def startup(self) -> None:
         self.client = AsyncEngineClient(self.settings.engine,
                                         control_timeout_s=self.settings.control_timeout_s,
-                                        on_lost=self.engine_lost)
+                                        on_lost=self.engine_lost,
+                                        on_model_changed=self.model_changed)
         self.client.start()
         self._loader = asyncio.get_running_loop().create_task(self._load_model_info())
 
@@ -100,7 +107,12 @@ class Worker:
             except EngineUnavailable:
                 await asyncio.sleep(MODEL_INFO_RETRY_S)
                 continue
-            except ValueError as e:     # an error reply, or a model_info that does not validate
+            except ControlError as e:
+                if e.data.get("code") != "model_not_loaded":
+                    log.error("the engine's model_info is unusable (%s); asking again", e)
+                await asyncio.sleep(MODEL_INFO_RETRY_S)
+                continue
+            except ValueError as e:     # a model_info that does not validate
                 log.error("the engine's model_info is unusable (%s); asking again", e)
                 await asyncio.sleep(MODEL_INFO_RETRY_S)
                 continue
@@ -126,6 +138,7 @@ class Worker:
                                     origin=f"the chat template of {info.get('name')}")
         self.tokenizer, self.template, self.info = tok, template, info
         self.max_prompt_bytes = max_prompt_bytes(backend, info["max_seq_len"])
+        self.client.load_id = info.get("load_id", 0)
 
     def engine_lost(self) -> None:
         """The engine stopped answering: serve 503 until it is back and a probe went through
@@ -134,8 +147,46 @@ class Worker:
             self.ready_info = None
             self._loader = asyncio.get_running_loop().create_task(self._load_model_info())
 
+    def model_changed(self, msg: wire.ModelChanged) -> None:
+        """A hot swap's state (metrale.swap): 503 while it drains and loads; once the engine
+        serves again, model_info is fetched again (the new model's tokenizer, template, name,
+        context length) before the next request is served."""
+        if msg.state != "serving":
+            if self.swapping is None:
+                asyncio.get_running_loop().create_task(self._watch_swap())
+            self.swapping = msg
+            return
+        if self.ready_info is not None and self.ready_info.get("load_id") == msg.load_id:
+            self.swapping = None
+            return
+        self.ready_info = None
+        self.swapping = None
+        if self._loader is not None and not self._loader.done():
+            self._loader.cancel()
+        self._loader = asyncio.get_running_loop().create_task(self._load_model_info())
+
+    async def _watch_swap(self) -> None:
+        """While a swap is under way, ask the engine's health now and then: the end of a swap
+        is noticed even if its ModelChanged never reached this worker."""
+        while self.swapping is not None:
+            await asyncio.sleep(SWAP_WATCH_S)
+            try:
+                health = await self.client.control(wire.HealthCheck(), timeout_s=PROBE_TIMEOUT_S)
+            except (EngineUnavailable, ControlError):
+                continue
+            if health.get("status") == "ok" and self.swapping is not None:
+                self.model_changed(wire.ModelChanged("serving", health.get("model", ""),
+                                                     health.get("load_id", 0)))
+
     def ready(self) -> dict:
-        """The model info; 503 while the engine has not answered yet."""
+        """The model info; 503 while the engine has not answered yet or a swap is under way."""
+        if self.swapping is not None:
+            if self.swapping.state == "empty":
+                raise errors.engine_unavailable("no model is loaded: the last swap failed and "
+                                                "the previous model could not be restored")
+            target = f" to {self.swapping.model}" if self.swapping.model else ""
+            raise errors.engine_unavailable(f"the server is swapping models{target}: "
+                                            f"{self.swapping.state}")
         if self.ready_info is None:
             raise errors.engine_unavailable("the model is still loading")
         return self.ready_info
@@ -160,9 +211,11 @@ class Worker:
         return _presented_key(req.get_header("Authorization"), req.get_header("x-api-key"))
 
     def is_open(self, path: str) -> bool:
-        """Routes served without a key: /health, and /metrics with --metrics-public."""
+        """Routes served without a key: /health, the Library page's static files, and /metrics
+        with --metrics-public."""
         path = path.rstrip("/") or "/"
-        return path in OPEN_PATHS or (path == "/metrics" and self.settings.metrics_public)
+        return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES) \
+            or (path == "/metrics" and self.settings.metrics_public)
 
     def gate(self, scope) -> None:
         """The auth check at the ASGI layer (frontends.limits.InputLimits), before the body is
@@ -186,6 +239,40 @@ class Worker:
         if not ok or not key:
             raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>' "
                            "or 'x-api-key: <key>'", code="invalid_api_key")
+
+    def check_admin(self, req) -> None:
+        """Changing the model (POST /v1/models/load) with auth on needs an admin key
+        (--admin-token): 401 without a valid key, 403 with a key that is not an admin's."""
+        if not self.settings.require_auth:
+            return
+        key = self.api_key(req)
+        self.check_key(key)
+        presented, ok = _digest(key or ""), False
+        for digest in self._admin_digests:
+            ok |= hmac.compare_digest(presented, digest)
+        if not ok:
+            raise APIError(403, "changing the served model needs an admin key (--admin-token)",
+                           code="admin_key_required")
+
+    async def auto_swap(self, requested, served: str) -> None:
+        """--auto-swap: a request naming a different model that the engine resolves to a known
+        recipe starts a swap to it and is answered 503 model_not_loaded + Retry-After (a retry
+        is served by the new model); any other name goes on as without the flag."""
+        if not self.settings.auto_swap or not isinstance(requested, str) or not requested \
+                or requested == served:
+            return
+        try:
+            reply = await self.client.control(wire.LoadModel(model=requested, auto=True))
+        except ControlError as e:
+            if e.data.get("code") != "swap_in_progress":
+                raise APIError(e.data.get("status", 400), str(e), param="model",
+                               code=e.data.get("code")) from None
+            reply = {"accepted": True, "target": requested}
+        except EngineUnavailable as e:
+            raise errors.engine_unavailable(str(e)) from None
+        if reply.get("accepted"):
+            raise errors.engine_unavailable(f"loading {reply.get('target', requested)} "
+                                            "(--auto-swap)")
 
     def rate_limit_key(self, req) -> str:
         """Whose bucket a request is charged to: the API key (as a digest: the engine never
@@ -254,7 +341,8 @@ def duration(seconds: float) -> str:
 
 
 
-OPEN_PATHS = ("/health",)
+OPEN_PATHS = ("/health", "/")          # "/": the Library page (frontends.library), static
+OPEN_PREFIXES = ("/library/",)         # the page's script and style
 
 
 def write_error(req, resp, e: APIError) -> None:

@@ -205,6 +205,13 @@ def _add_frontend_flags(p: argparse.ArgumentParser, with_port: bool = True) -> N
                    help="a file of accepted API keys, one per line (# comments)")
     a.add_argument("--metrics-public", action="store_true",
                    help="serve /metrics without auth even with --require-auth")
+    a.add_argument("--admin-token", action="append", default=[], metavar="KEY",
+                   help="a key that may also change the served model (POST /v1/models/load, "
+                        "the Library's swap) when auth is on; repeatable; it is an API key too")
+    s = p.add_argument_group("hot swap")
+    s.add_argument("--auto-swap", action="store_true",
+                   help="a request whose model names a different model with a known recipe "
+                        "swaps to it (Ollama-style); other names are answered as without it")
 
 
 def _serve_parser(sub) -> argparse.ArgumentParser:
@@ -238,6 +245,8 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
                    help="accepted for vLLM command lines: one engine runs on one GPU, so only 1")
     for flag, (name, text) in ENGINE_BOOL_FLAGS.items():
         e.add_argument(flag, dest=name, action="store_true", help=text)
+    # set by `met run RECIPE` (not for the command line): the recipe the served model comes from
+    p.add_argument("--recipe", default=None, help=argparse.SUPPRESS)
     e.add_argument("--engine-bind", metavar="tcp://HOST:PORT",
                    help="bind the engine on tcp (ports PORT..PORT+3) instead of ipc, so "
                         "`met frontend` on other hosts can reach it")
@@ -374,9 +383,12 @@ def frontend_spec(args, engine_addresses: dict, tokens: list[str] | None = None)
     if args.frontends < 1:
         raise CLIError(f"--frontends must be >= 1, got {args.frontends}")
     tokens = load_auth_tokens(args) if tokens is None else tokens
+    if any(not t.strip() for t in args.admin_token):
+        raise CLIError("--admin-token: a key is empty")
     settings = FrontendSettings(
-        engine=engine_addresses, auth_tokens=tokens,
-        require_auth=args.require_auth or bool(tokens),     # a key given means auth on
+        engine=engine_addresses, auth_tokens=tokens + list(args.admin_token),
+        require_auth=args.require_auth or bool(tokens) or bool(args.admin_token),
+        admin_tokens=list(args.admin_token), auto_swap=args.auto_swap,
         metrics_public=args.metrics_public,
         max_body_bytes=levers.get("METRALE_MAX_BODY_BYTES"), body_timeout_s=body_timeout_s())
     return {"bind": f"{args.host}:{args.port}", "workers": args.frontends,
@@ -429,19 +441,25 @@ def cmd_serve(args) -> int:
         ipc_dir = serve.make_ipc_dir()
         addresses = EngineAddresses.ipc(ipc_dir)
     journal = None if args.no_event_log else (args.event_log or default_journal_dir())
-    spec = EngineSpec(
-        model=model, addresses=addresses.to_dict(), engine_config=engine_config,
-        cache_dir=args.cache_dir,
+    spec = EngineSpec(addresses=addresses.to_dict(), journal_dir=journal,
+                      **model_spec_fields(args, model))
+    fspec = frontend_spec(args, addresses.to_dict(), tokens)
+    return serve.serve(spec, fspec, ipc_dir)
+
+
+def model_spec_fields(args, model: str) -> dict:
+    """The EngineSpec fields a parsed `met serve` command line sets for its model (all but the
+    process's sockets and journal): `met serve` and a hot swap to a recipe (metrale.swap)."""
+    return dict(
+        model=model, engine_config=engine_config_of(args), cache_dir=args.cache_dir,
         model_name=args.model_name or (DEFAULT_MODEL_NAME if model == _maybe_default() else None),
-        journal_dir=journal, disable_template_overrides=args.disable_template_overrides,
+        disable_template_overrides=args.disable_template_overrides,
         chat_template=_chat_template_arg(args.chat_template),
-        load_format=args.load_format,
+        load_format=args.load_format, recipe=Path(args.recipe).stem if args.recipe else None,
         frontend={"disable_thinking": args.disable_thinking,
                   "tool_call_parser": args.tool_call_parser,
                   "max_thinking_budget": args.max_thinking_budget,
                   "tool_max_tokens": args.tool_max_tokens})
-    fspec = frontend_spec(args, addresses.to_dict(), tokens)
-    return serve.serve(spec, fspec, ipc_dir)
 
 
 def _chat_template_arg(value: str | None) -> str | None:
@@ -576,8 +594,8 @@ def cmd_dump_serve_options(parser: argparse.ArgumentParser) -> int:
                         if isinstance(a, argparse._SubParsersAction)).choices["serve"]
     flags = {}
     for action in serve_parser._actions:
-        if not action.option_strings or action.dest == "help":
-            continue
+        if not action.option_strings or action.dest == "help" or action.help == argparse.SUPPRESS:
+            continue            # --recipe: set by `met run`, not a flag of the command line
         ours = [o for o in action.option_strings if o not in _ALIAS_SPELLINGS]
         flags[max(ours, key=len)] = {
             "default": action.default, "aliases": action.option_strings,
@@ -646,7 +664,7 @@ def cmd_run(args) -> int:
             log.warning("%s=%s from the environment overrides the recipe's %s", key, os.environ[key], value)
             continue
         os.environ[key] = str(value)
-    return main(["serve", *recipe.serve_argv(), *extra])
+    return main(["serve", *recipe.serve_argv(), "--recipe", str(recipe.path), *extra])
 
 
 def main(argv: list[str] | None = None) -> int:

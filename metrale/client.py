@@ -24,6 +24,9 @@ Liveness, both ways, independent of request work:
     async for delta in client.generate(request_id, prompt_ids, sampling_params):
         ...   # wire.TokenDelta; the last one has finish_reason set
     reply_data = await client.control(wire.StatsQuery())
+
+A hot swap (metrale.swap) reaches the client as wire.ModelChanged messages on its output topic,
+handed to `on_model_changed`; Submits carry `load_id`, the model load they were tokenized for.
 """
 from __future__ import annotations
 
@@ -54,6 +57,15 @@ class EngineUnavailable(RuntimeError):
     """The engine did not answer in time, or is gone: the API answers 503, retriable."""
 
 
+class ControlError(ValueError):
+    """The engine refused a control request: its message, and the reply's data (a refused swap
+    carries the HTTP `status` and `code` to answer with)."""
+
+    def __init__(self, message: str, data: dict):
+        super().__init__(message)
+        self.data = data
+
+
 class _HeartbeatThread(threading.Thread):
     """Sends this frontend's heartbeat every wire.HEARTBEAT_INTERVAL_S on a socket of its own: the
     engine hears it whatever the event loop is doing."""
@@ -81,11 +93,13 @@ class _HeartbeatThread(threading.Thread):
 
 class AsyncEngineClient:
     def __init__(self, addresses: dict, frontend_id: str | None = None,
-                 control_timeout_s: float = 5.0, on_lost=None):
+                 control_timeout_s: float = 5.0, on_lost=None, on_model_changed=None):
         self.addresses = addresses
         self.frontend_id = frontend_id or f"fe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.control_timeout_s = control_timeout_s
         self.on_lost = on_lost           # called (no arguments) when the engine is lost
+        self.on_model_changed = on_model_changed   # called with each wire.ModelChanged (a swap)
+        self.load_id = 0                 # the model load requests are tokenized for (Submit)
         self.ctx = zmq.asyncio.Context.instance()
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.LINGER, 0)
@@ -148,6 +162,10 @@ class AsyncEngineClient:
                 log.info("the engine is back (was: %s)", self.lost)
                 self.lost = None
             self._heard.set()
+            if type(out) is wire.ModelChanged:
+                if self.on_model_changed is not None:
+                    self.on_model_changed(out)
+                continue
             for delta in out.deltas:
                 q = self.queues.get(delta.request_id)
                 if q is not None:
@@ -213,7 +231,8 @@ class AsyncEngineClient:
         finished = False
         try:
             msg = wire.encode(wire.Submit(request_id, self.frontend_id,
-                                          tuple(prompt_token_ids), sampling_params))
+                                          tuple(prompt_token_ids), sampling_params,
+                                          self.load_id))
             try:
                 async with asyncio.timeout(self.control_timeout_s):
                     await self.push.send_multipart(msg)
@@ -257,5 +276,5 @@ class AsyncEngineClient:
                                         f"{timeout_s:g}s")
             reply = wire.decode(await self._dealer.recv_multipart())
         if not reply.ok:
-            raise ValueError(reply.data.get("error", f"control {op!r} failed"))
+            raise ControlError(reply.data.get("error", f"control {op!r} failed"), reply.data)
         return reply.data

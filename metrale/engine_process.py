@@ -42,6 +42,9 @@ class EngineSpec:
     frontend: dict = field(default_factory=dict)   # disable_thinking, tool parser, ...
     progress: bool = True
     load_format: str = "auto"                      # auto | dummy (random weights, benchmarks)
+    recipe: str | None = None                      # the recipe `met run` / a swap loaded
+    env: dict = field(default_factory=dict)        # that recipe's levers (metrale.swap applies them)
+    resume: bool = False                           # a restart: the model swapped in, if any, again
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -90,16 +93,25 @@ def build_server(spec: EngineSpec):
 
 
 def _build_server(spec: EngineSpec, journal):
-    from metrale import wire
-    from metrale.chat import ChatTemplateError, load_chat_template
-    from metrale.engine_core import EngineCore
     from metrale.engine_server import EngineAddresses, EngineServer
-    from metrale.models.loader import load_checkpoint
-    from metrale.ratelimit import RateLimiter
-    from metrale.sampling import engine_sampling_defaults
-    from metrale.tokenizer import Tokenizer
 
     t0 = time.monotonic()
+    core, model_info = load_engine(spec)
+    server = EngineServer(core, model_info, EngineAddresses(**spec.addresses), journal)
+    server.spec = spec          # what a failed swap restores (metrale.swap)
+    log.info("engine serving %s (%s) in %.1fs on %s", model_info.name, model_info.model_type,
+             time.monotonic() - t0, spec.addresses["submit"])
+    return server
+
+
+def open_checkpoint(spec: EngineSpec):
+    """(checkpoint, tokenizer, chat template text or None) of the spec's model: headers and
+    configs only (no weights read), so every refusal of the loader comes here, cheaply: a swap
+    calls it before it releases anything (metrale.swap)."""
+    from metrale.chat import ChatTemplateError, load_chat_template
+    from metrale.models.loader import load_checkpoint
+    from metrale.tokenizer import Tokenizer
+
     ckpt = load_checkpoint(spec.model, cache_dir=spec.cache_dir, name=spec.model_name,
                            load_format=spec.load_format, device=_weights_device(spec))
     tokenizer = Tokenizer.from_checkpoint(ckpt)
@@ -114,6 +126,17 @@ def _build_server(spec: EngineSpec, journal):
             raise                  # the operator's --chat-template must work, or nothing starts
         log.warning("no chat template (%s): /v1/chat/completions will refuse requests", e)
         chat_template = None
+    return ckpt, tokenizer, chat_template
+
+
+def load_engine(spec: EngineSpec, load_id: int = 1):
+    """(EngineCore, wire.ModelInfo) of the spec's model: the checkpoint loaded and built."""
+    from metrale import wire
+    from metrale.engine_core import EngineCore
+    from metrale.ratelimit import RateLimiter
+    from metrale.sampling import engine_sampling_defaults
+
+    ckpt, tokenizer, chat_template = open_checkpoint(spec)
     config = EngineConfig(**spec.engine_config)
     model_len = ckpt.config.get("max_position_embeddings")
     if model_len and config.max_seq_len > model_len:
@@ -139,11 +162,9 @@ def _build_server(spec: EngineSpec, journal):
         vocab_size=vocab_size if isinstance(vocab_size, int) else None,
         tokenizer_json=tokenizer_json, chat_template=chat_template, created=int(time.time()),
         sampling_defaults=engine_sampling_defaults(core.config),
-        rate_limit_enabled=RateLimiter.from_levers().enabled, frontend=spec.frontend)
-    server = EngineServer(core, model_info, EngineAddresses(**spec.addresses), journal)
-    log.info("engine serving %s (%s) in %.1fs on %s", ckpt.name, ckpt.model_type,
-             time.monotonic() - t0, spec.addresses["submit"])
-    return server
+        rate_limit_enabled=RateLimiter.from_levers().enabled, frontend=spec.frontend,
+        load_id=load_id, recipe=spec.recipe)
+    return core, model_info
 
 
 def _weights_device(spec: EngineSpec) -> str:
@@ -196,6 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         import_model_plugins()
+        if spec.resume and spec.journal_dir:
+            from metrale.swap import resumed_spec
+
+            spec = resumed_spec(spec)
+            os.environ.update(spec.env)          # a resumed recipe's levers
         server = build_server(spec)
     except Exception as e:  # noqa: BLE001 - reported, then a non-zero exit
         log.error("the engine could not start: %s", e, exc_info=log.isEnabledFor(logging.DEBUG))

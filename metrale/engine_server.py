@@ -8,7 +8,8 @@ It owns the EngineCore, the event journal, the Prometheus registry and the rate-
 
     PULL    submit   Submit / Abort / Heartbeat from any number of frontends
     PUB     output   StepOutput per step, topic = frontend id
-    ROUTER  control  HealthCheck, ModelInfoQuery, StatsQuery (Prometheus text), RateLimitCheck
+    ROUTER  control  HealthCheck, ModelInfoQuery, StatsQuery (Prometheus text), RateLimitCheck,
+                     LoadModel (a hot swap, metrale.swap), LibraryQuery
     PUB     events   every journal event, topic = event type
 
 Each socket's messages are dispatched by type through a table (`_on_submitted`, `_on_control`).
@@ -44,6 +45,7 @@ from metrale.ratelimit import RateLimiter
 from metrale.recovery import abort_unfinished
 from metrale.request import Request
 from metrale.scheduler import QueueFull
+from metrale.swap import Swap, SwapRefused, library, spec_record
 
 log = logging.getLogger("metrale.engine")
 requests_log = logging.getLogger("metrale.requests")
@@ -81,8 +83,10 @@ class _Live:
 class EngineServer:
     def __init__(self, core: EngineCore, model_info: wire.ModelInfo, addresses: EngineAddresses,
                  journal: Journal | None):
-        self.core = core
+        self.core: EngineCore | None = core     # None while a swap loads, or after it failed
         self.model_info = model_info
+        self.spec = None                        # the EngineSpec served (set by build_server)
+        self.swap = Swap(self)
         self.addresses = addresses
         self.journal = journal
         self._uncommitted: list[dict] = []      # journalled, not yet flushed and published
@@ -97,7 +101,8 @@ class EngineServer:
         self._on_submitted = {wire.Submit: self._submit, wire.Abort: self._on_abort,
                               wire.Heartbeat: self._heartbeat}
         self._on_control = {wire.HealthCheck: self._health, wire.ModelInfoQuery: self._model_info,
-                            wire.StatsQuery: self._stats, wire.RateLimitCheck: self._rate_limit}
+                            wire.StatsQuery: self._stats, wire.RateLimitCheck: self._rate_limit,
+                            wire.LoadModel: self._load_model, wire.LibraryQuery: self._library}
         self._bind()
 
     # -- sockets ----------------------------------------------------------------------------
@@ -127,6 +132,8 @@ class EngineServer:
         tmp.replace(path)
 
     def close(self) -> None:
+        if self.core is not None:
+            self.core.close()
         for s in (self.pull, self.out, self.control, self.events):
             s.close(0)
         if self.journal:
@@ -154,23 +161,30 @@ class EngineServer:
     def run(self) -> None:
         if self.journal:
             abort_unfinished(self.journal, self.emit)   # what a killed predecessor left open
-        self.emit("ModelLoaded", model=self.model_info.name, model_type=self.model_info.model_type)
+        self.emit("ModelLoaded", model=self.model_info.name, model_type=self.model_info.model_type,
+                  recipe=self.model_info.recipe, load_id=self.model_info.load_id,
+                  spec=spec_record(self.spec) if self.spec is not None else None)
         while self.running:
-            busy = self.core.has_unfinished()
+            busy = self._busy()
             ready = dict(self.poller.poll(0 if busy else 50))
             if self.pull in ready:
                 self._drain_submits()
             if self.control in ready:
                 self._drain_control()
             self._reap_frontends()
-            if self.core.has_unfinished():
+            if self._busy():
                 self._step()
-            if not self.core.has_unfinished():
+            if not self._busy():
                 self._flush()            # no next step to overlap with
             self._commit_events()
+            self.swap.tick()             # a swap that has drained loads here (metrale.swap)
         self._flush()
-        self.emit("ModelReleased", model=self.model_info.name)
+        if self.core is not None:
+            self.emit("ModelReleased", model=self.model_info.name)
         self._commit_events()
+
+    def _busy(self) -> bool:
+        return self.core is not None and self.core.has_unfinished()
 
     def _step(self) -> None:
         """One engine step. Its outputs are published during the next step, once that step's
@@ -260,6 +274,14 @@ class EngineServer:
 
     def _submit(self, msg: wire.Submit) -> None:
         self.frontends[msg.frontend_id] = time.monotonic()
+        if not self.swap.accepting():
+            return self._refuse(msg, 503, self.swap.why_not())
+        if msg.load_id and msg.load_id != self.model_info.load_id:
+            # tokenized for a model since swapped out: that frontend fetches model_info again
+            self._notify(msg.frontend_id, wire.ModelChanged(
+                "serving", self.model_info.name, self.model_info.load_id))
+            return self._refuse(msg, 503, f"the served model changed to {self.model_info.name}"
+                                          " since this request was tokenized; retry")
         try:
             params = msg.sampling_params.validate()   # the frontend may be another host's
             # the queue limit (429), the context length and the deadline: Scheduler.add_request
@@ -279,6 +301,8 @@ class EngineServer:
         self._send(msg.frontend_id, [delta])
 
     def _abort(self, request_id: str, reason: str) -> None:
+        if self.core is None:
+            return
         self._flush()                    # its tokens so far go out before its end
         out = self.core.abort_request(request_id)
         if out is not None:
@@ -384,19 +408,58 @@ class EngineServer:
                 "error": f"the engine failed to answer ({type(e).__name__}; logged by the engine)"}))
 
     def _health(self, msg: wire.HealthCheck) -> wire.ControlReply:
-        return wire.ControlReply(True, {"status": "ok", "model": self.model_info.name})
+        """status "ok", or the swap's state ("draining", "loading", "empty") with why."""
+        if self.swap.accepting():
+            return wire.ControlReply(True, {"status": "ok", "model": self.model_info.name,
+                                            "load_id": self.model_info.load_id})
+        return wire.ControlReply(True, {"status": self.swap.state, "detail": self.swap.why_not()})
 
     def _model_info(self, msg: wire.ModelInfoQuery) -> wire.ControlReply:
+        if self.core is None:
+            return wire.ControlReply(False, {"error": self.swap.why_not(), "status": 503,
+                                             "code": "model_not_loaded"})
         return wire.ControlReply(True, self.model_info.to_dict())
 
+    def _load_model(self, msg: wire.LoadModel) -> wire.ControlReply:
+        try:
+            return wire.ControlReply(True, self.swap.request(msg))
+        except SwapRefused as e:
+            return wire.ControlReply(False, {"error": str(e), "status": e.status,
+                                             "code": e.code})
+
+    def _library(self, msg: wire.LibraryQuery) -> wire.ControlReply:
+        return wire.ControlReply(True, library(self))
+
     def _stats(self, msg: wire.StatsQuery) -> wire.ControlReply:
-        self.metrics.set_gauges(self.core)
+        if self.core is not None:
+            self.metrics.set_gauges(self.core)
         return wire.ControlReply(True, {"prometheus": self.metrics.render(),
                                         "running": len(self.live),
                                         "rate_limit_keys": self.ratelimit.num_keys})
 
     def _rate_limit(self, msg: wire.RateLimitCheck) -> wire.ControlReply:
         return wire.ControlReply(True, self.ratelimit.check(msg.key, int(msg.tokens)))
+
+
+    # -- what metrale.swap drives ---------------------------------------------------------------
+    def notify_frontends(self, msg: wire.ModelChanged) -> None:
+        for frontend_id in list(self.frontends):
+            self._notify(frontend_id, msg)
+
+    def _notify(self, frontend_id: str, msg: wire.ModelChanged) -> None:
+        self.out.send_multipart([frontend_id.encode(), *wire.encode(msg)])
+
+    def abort_request(self, request_id: str, reason: str) -> None:
+        self._abort(request_id, reason)
+
+    def commit_events(self) -> None:
+        self._commit_events()
+
+    def drain_submits(self) -> None:
+        self._drain_submits()
+
+    def drain_control(self) -> None:
+        self._drain_control()
 
 
 def _delta(out: RequestOutput) -> wire.TokenDelta:

@@ -44,7 +44,7 @@ import orjson
 log = logging.getLogger("metrale.events")
 
 EVENT_TYPES = (
-    "ModelLoaded", "ModelReleased",
+    "ModelLoaded", "ModelReleased", "ModelLoadFailed",
     "RequestAdmitted", "RequestRejected", "TokensEmitted", "RequestFinished", "RequestAborted",
     "RequestPreempted", "ResponseStored", "ConversationAppended",
 )

@@ -92,6 +92,12 @@ LEVERS: dict[str, Lever] = {lv.name: lv for lv in (
     Lever("METRALE_SELF_SPEC_SKIP", str, "auto", "metrale/spec/self_spec.py",
           "--self-speculative: the layers its drafts skip, comma-separated indices, auto "
           "(every other layer of the middle half) or none (tests: the whole model drafts)"),
+    Lever("METRALE_RECIPES_PATH", str, "", "metrale/recipes/__init__.py",
+          "more recipe folders (os.pathsep-separated), searched before the shipped recipes by "
+          "`met list/show/run`, the Library and hot swap; empty = the shipped ones only"),
+    Lever("METRALE_SWAP_DRAIN_TIMEOUT_S", float, 300.0, "metrale/swap.py",
+          "a hot swap waits this long for the requests in flight to finish on the old model; "
+          "those still running then are aborted (finish reason abort) and the swap goes on"),
     Lever("METRALE_CUDA_POISON", str, "", "metrale/backends/cuda/ops.py",
           "1 = fill every new CUDA op output with NaN first (tests: catches unwritten outputs)"),
 )}

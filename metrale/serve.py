@@ -30,6 +30,7 @@ engine is refused here, before anything starts.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -133,8 +134,9 @@ class Supervisor:
         deadline = time.monotonic() + delay
         while not self.stopping and time.monotonic() < deadline:
             time.sleep(0.05)
-        if not self.stopping:
-            self.engine = self._spawn("metrale.engine_process", self.engine_spec.to_json())
+        if not self.stopping:    # resume: the model a hot swap made live comes back (metrale.swap)
+            spec = dataclasses.replace(self.engine_spec, resume=True)
+            self.engine = self._spawn("metrale.engine_process", spec.to_json())
             log.info("engine restarted (pid %d)", self.engine.pid)
         return True
 
@@ -146,12 +148,13 @@ class Supervisor:
         try:
             with urllib.request.urlopen(url, timeout=0.5) as r:
                 ok = r.status == 200
-        except (urllib.error.URLError, OSError, ValueError):
+                served = json.loads(r.read()).get("model")   # a hot swap may have changed it
+        except (urllib.error.URLError, OSError, ValueError, AttributeError):
             ok = False
         if ok:
             self._announced = True
-            log.info("serving %s on %s", self.engine_spec.model_name or self.engine_spec.model,
-                     url.rsplit("/", 1)[0])
+            log.info("serving %s on %s", served or self.engine_spec.model_name
+                     or self.engine_spec.model, url.rsplit("/", 1)[0])
 
     def _stop_all(self) -> None:
         for proc in (self.frontends, self.engine):   # frontends first: no new requests

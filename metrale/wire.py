@@ -9,9 +9,11 @@ commands imperative (Submit, Abort), replies and outputs as nouns.
 
 Sockets (DESIGN.md section 2):
   frontend PUSH  -> engine PULL     Submit, Abort, Heartbeat
-  engine   PUB   -> frontend SUB    StepOutput (topic = frontend id: each frontend gets only its own)
+  engine   PUB   -> frontend SUB    StepOutput (topic = frontend id: each frontend gets only its own),
+                                    ModelChanged (a swap's states, metrale.swap)
   frontend DEALER <-> engine ROUTER a control request (HealthCheck, ModelInfoQuery, StatsQuery,
-                                    RateLimitCheck) -> ControlReply (model_info's data is a
+                                    RateLimitCheck, LoadModel, LibraryQuery) -> ControlReply
+                                    (model_info's data is a
                                     ModelInfo: typed, validated, JSON-safe)
   engine   PUB   -> anyone SUB      events (topic = event type), see metrale.events
 
@@ -50,6 +52,8 @@ class Submit:
     prompt_token_ids: tuple[int, ...]
     sampling_params: SamplingParams   # built (and validated) by the frontend; the engine checks
                                       # it again at admission: a frontend may be another host's
+    load_id: int = 0                  # ModelInfo.load_id the frontend tokenized for (0: any); a
+                                      # Submit for a model since swapped out is refused (503)
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,32 @@ class RateLimitCheck:
 
 
 @dataclass(frozen=True)
+class LoadModel:
+    """Swap the served model (metrale.swap): a recipe by name, or a model (HF id or path) with the
+    server's own flags. `auto`: an --auto-swap request's model name, which swaps only when it
+    resolves to a known recipe of a model other than the live one. Answered at once (the swap
+    runs in the engine's loop) with {"accepted": bool, ...} or an error reply."""
+    recipe: str = ""
+    model: str = ""
+    auto: bool = False
+
+
+@dataclass(frozen=True)
+class LibraryQuery:
+    """Answered with what the Library needs: the live model and its recipe, the swap state and
+    the last swap's outcome, the recipes, the HF cache's models, memory (metrale.swap.library)."""
+
+
+@dataclass(frozen=True)
+class ModelChanged:
+    """Engine -> every frontend (output PUB, the frontend's topic): the served model's state
+    changed (draining, loading, serving, empty); on serving, fetch model_info again."""
+    state: str
+    model: str = ""
+    load_id: int = 0
+
+
+@dataclass(frozen=True)
 class ControlReply:
     ok: bool
     data: dict = field(default_factory=dict)
@@ -141,6 +171,8 @@ class ModelInfo:
     sampling_defaults: dict = field(default_factory=dict)
     rate_limit_enabled: bool = False
     frontend: dict = field(default_factory=dict)   # disable_thinking, tool parser, ...
+    load_id: int = 0                               # which load of this engine (a swap adds one)
+    recipe: str | None = None                      # the recipe it was loaded from, if any
 
     def __post_init__(self):
         for name, kinds in (("name", str), ("model_type", str), ("max_seq_len", int),
@@ -149,7 +181,8 @@ class ModelInfo:
                             ("chat_template", (str, type(None))), ("created", int),
                             ("rate_limit_enabled", bool), ("tokenizer_config", dict),
                             ("generation_config", dict), ("sampling_defaults", dict),
-                            ("frontend", dict)):
+                            ("frontend", dict), ("load_id", int),
+                            ("recipe", (str, type(None)))):
             value = getattr(self, name)
             if not isinstance(value, kinds) or (kinds is int and isinstance(value, bool)):
                 raise ValueError(f"model_info.{name}: wrong type {type(value).__name__}")
@@ -252,7 +285,7 @@ def encode(msg) -> list[bytes]:
                                       option=orjson.OPT_SERIALIZE_NUMPY)]
     if type(msg) is Submit:
         head = {"request_id": msg.request_id, "frontend_id": msg.frontend_id,
-                "sampling_params": msg.sampling_params.to_dict()}
+                "sampling_params": msg.sampling_params.to_dict(), "load_id": msg.load_id}
         return [b"submit", orjson.dumps(head), _ids_frame(msg.prompt_token_ids)]
     kind = _KIND_OF.get(type(msg))
     if kind is None:
@@ -292,9 +325,11 @@ def _tuplify(x):
 
 _SIMPLE = {b"abort": Abort, b"heartbeat": Heartbeat, b"health": HealthCheck,
            b"model_info": ModelInfoQuery, b"stats": StatsQuery, b"rate_limit": RateLimitCheck,
-           b"reply": ControlReply}
+           b"reply": ControlReply, b"load_model": LoadModel, b"library": LibraryQuery,
+           b"model_changed": ModelChanged}
 _KIND_OF = {cls: kind for kind, cls in _SIMPLE.items()}
-CONTROL_REQUESTS = (HealthCheck, ModelInfoQuery, StatsQuery, RateLimitCheck)
+CONTROL_REQUESTS = (HealthCheck, ModelInfoQuery, StatsQuery, RateLimitCheck, LoadModel,
+                    LibraryQuery)
 
 
 def kind(msg) -> str:

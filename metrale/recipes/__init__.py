@@ -2,7 +2,10 @@
 
 A recipe pins what `met serve` needs to serve one model one way: the checkpoint, the serve flags,
 the runtime levers and notes. `met list`, `met show RECIPE` and `met run RECIPE [--print]` read
-them; none of the three needs a GPU (`run --print` only prints the `met serve` command).
+them; none of the three needs a GPU (`run --print` only prints the `met serve` command). A
+running server swaps to one in place (metrale.swap: the Library, POST /v1/models/load,
+--auto-swap). Besides the shipped folder, recipes are found in the folders of
+METRALE_RECIPES_PATH (searched first).
 
     description = "one line"                 # required
     checkpoint = "Qwen/Qwen3.6-27B-FP8"      # required: an HF id, a path, or "embedded" (the
@@ -27,6 +30,7 @@ model.
 from __future__ import annotations
 
 import functools
+import os
 import re
 import shlex
 import tomllib
@@ -81,8 +85,19 @@ def _flag_value(value) -> str:
     return str(value)
 
 
+def recipe_dirs() -> list[Path]:
+    """Where recipes are looked up: METRALE_RECIPES_PATH's folders (os.pathsep-separated; an
+    operator's own recipes, tests' fixtures) first, then the shipped ones."""
+    from metrale import levers
+
+    extra = [Path(d).expanduser() for d in str(levers.get("METRALE_RECIPES_PATH")).split(os.pathsep)
+             if d.strip()]
+    return [*extra, RECIPE_DIR]
+
+
 def names() -> list[str]:
-    return sorted(p.stem for p in RECIPE_DIR.glob("*.toml"))
+    """Every recipe name once (a folder earlier in recipe_dirs() wins a name)."""
+    return sorted({p.stem for d in recipe_dirs() for p in d.glob("*.toml")})
 
 
 def all_recipes() -> list[Recipe]:
@@ -90,13 +105,14 @@ def all_recipes() -> list[Recipe]:
 
 
 def find(name_or_path: str) -> Path:
-    """A shipped recipe by name, or a recipe file by path."""
+    """A recipe by name (recipe_dirs()), or a recipe file by path."""
     p = Path(name_or_path)
     if p.suffix == ".toml" and p.is_file():
         return p
-    shipped = RECIPE_DIR / f"{name_or_path}.toml"
-    if shipped.is_file():
-        return shipped
+    for folder in recipe_dirs():
+        found = folder / f"{name_or_path}.toml"
+        if "/" not in name_or_path and found.is_file():
+            return found
     close = [n for n in names() if name_or_path.lower() in n]
     hint = f"; did you mean {', '.join(close[:5])}?" if close else "; `met list` shows them"
     raise RecipeError(name_or_path, None, f"no recipe named {name_or_path!r}{hint}")
@@ -194,13 +210,20 @@ def _serve_actions() -> dict:
     return {opt: action for action in _all_actions(_serve_parser()) for opt in action.option_strings}
 
 
+def serve_args(recipe: Recipe):
+    """The recipe's `met serve` command line as `met serve` parses it (an argparse Namespace):
+    what a hot swap builds its engine spec from (metrale.swap)."""
+    args, _ = _serve_parser().parse_known_args(recipe.serve_argv())
+    return args
+
+
 def _check_serve(recipe: Recipe, text: str) -> None:
     import argparse
 
     by_flag = _serve_actions()
     for key, value in recipe.serve.items():
         line = _line_of(text, "serve", key)
-        if key in ("model", "model-from-path"):
+        if key in ("model", "model-from-path", "recipe"):
             raise RecipeError(recipe.path, line, "the checkpoint key names the model; leave it out of [serve]")
         action = by_flag.get(f"--{key}")
         if action is None or not key.replace("-", "").isalnum():
