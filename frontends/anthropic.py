@@ -160,8 +160,7 @@ class Messages(GenerateRoute):
     async def on_post(self, req, resp):
         info = await self.worker.ready_soon()
         body = await read_json(req, self.worker.settings)
-        if isinstance(body, dict):
-            await self.worker.auto_swap(body.get("model"), info["name"])
+        await self.worker.auto_swap(body, info["name"])
         mreq = schema.parse_messages_request(body, served=info["name"])
         p = await asyncio.to_thread(_prepare, self.worker, mreq)     # templating + tokenizing
         specs = choice_specs(self.worker, mreq, [p.ids], "messages", p.max_tokens_cap, p.plan,
@@ -207,8 +206,7 @@ class CountTokens(GenerateRoute):
     async def on_post(self, req, resp):
         info = await self.worker.ready_soon()
         body = await read_json(req, self.worker.settings)
-        if isinstance(body, dict):
-            await self.worker.auto_swap(body.get("model"), info["name"])
+        await self.worker.auto_swap(body, info["name"])
         mreq = schema.parse_messages_request(body, count_only=True, served=info["name"])
         p = await asyncio.to_thread(_prepare, self.worker, mreq)
         json_response(resp, {"input_tokens": len(p.ids)})

@@ -49,7 +49,7 @@ class Resource:
         body = await read_json(req, self.worker.settings)
         if not isinstance(body, dict):
             raise errors.invalid("the request body must be a JSON object")
-        await self.worker.auto_swap(body.get("model"), info["name"])
+        await self.worker.auto_swap(body, info["name"])
         schema.check_model(body.get("model"), info["name"])
         return info, body
 
@@ -57,8 +57,7 @@ class Resource:
         """The request body through `parse` (a schema parser), its model checked."""
         info = await self.worker.ready_soon()
         body = await read_json(req, self.worker.settings)
-        if isinstance(body, dict):
-            await self.worker.auto_swap(body.get("model"), info["name"])
+        await self.worker.auto_swap(body, info["name"])
         parsed = parse(body)
         schema.check_model(parsed.model, info["name"])
         return parsed

@@ -254,10 +254,15 @@ class Worker:
             raise APIError(403, "changing the served model needs an admin key (--admin-token)",
                            code="admin_key_required")
 
-    async def auto_swap(self, requested, served: str) -> None:
+    async def auto_swap(self, body, served: str) -> None:
         """--auto-swap: a request naming a different model that the engine resolves to a known
         recipe starts a swap to it and is answered 503 model_not_loaded + Retry-After (a retry
-        is served by the new model); any other name goes on as without the flag."""
+        is served by the new model); a name no recipe knows is served by the live model, as
+        Ollama's auto-swap does (the body's `model` becomes the live one's, which the answer
+        then names). Without the flag nothing changes (an unknown name gets 404)."""
+        if not isinstance(body, dict):
+            return
+        requested = body.get("model")
         if not self.settings.auto_swap or not isinstance(requested, str) or not requested \
                 or requested == served:
             return
@@ -273,6 +278,7 @@ class Worker:
         if reply.get("accepted"):
             raise errors.engine_unavailable(f"loading {reply.get('target', requested)} "
                                             "(--auto-swap)")
+        body["model"] = served
 
     def rate_limit_key(self, req) -> str:
         """Whose bucket a request is charged to: the API key (as a digest: the engine never

@@ -211,7 +211,8 @@ def _add_frontend_flags(p: argparse.ArgumentParser, with_port: bool = True) -> N
     s = p.add_argument_group("hot swap")
     s.add_argument("--auto-swap", action="store_true",
                    help="a request whose model names a different model with a known recipe "
-                        "swaps to it (Ollama-style); other names are answered as without it")
+                        "swaps to it (Ollama-style); absent, live or unrecognised names are served "
+                        "by the live model")
 
 
 def _serve_parser(sub) -> argparse.ArgumentParser:
