@@ -314,9 +314,18 @@ class EngineCore:
         return budget
 
     def close(self) -> None:
-        """Release host resources (swap files)."""
+        """Release host resources (swap files) and the CUDA ops' cuBLAS / cuBLASLt handles (a
+        hot swap builds new ops; the old handles would leak)."""
         if self.swap is not None:
             self.swap.close()
+        handle = getattr(self.ops, "_cublas", None)
+        if handle is not None:
+            self.ops._cublas = None
+            try:
+                self.ops.cp.cuda.runtime.deviceSynchronize()
+                handle.close()
+            except Exception as e:  # noqa: BLE001 - a broken context: nothing left to give back
+                log.warning("closing the cuBLAS handles: %s", e)
 
     # -- requests ---------------------------------------------------------------------------
     def can_admit(self) -> bool:
