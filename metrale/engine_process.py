@@ -128,7 +128,7 @@ def _build_server(spec: EngineSpec, journal):
     finally:
         if bar is not None:
             bar.close()
-    core.eos_token_ids = frozenset(tokenizer.eos_token_ids)
+    core.use_tokenizer(tokenizer)      # EOS ids, and the grammars of structured output
     with open(ckpt.tokenizer_json, encoding="utf-8") as f:
         tokenizer_json = f.read()
     vocab_size = ckpt.config.get("vocab_size")

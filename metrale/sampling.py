@@ -8,7 +8,9 @@ it with `validate()`; the engine hands each step's logits to `Sampler.sample`.
 Processing order inside `Sampler` (one row = one sequence); penalties come first and greedy
 rows leave before temperature, as in vLLM's sampler:
 
-    1. penalties         repetition (prompt + output), then presence / frequency (output only)
+    1. penalties         repetition (prompt + output), then presence / frequency (output only);
+                         then the grammar mask of a constrained row (metrale.grammar): -inf
+                         where the grammar forbids the token
     2. logprobs          log_softmax of the penalised logits (see "Logprobs" below)
     3. min-tokens        stop/EOS tokens -> -inf while the output is shorter than min_tokens
                          (vLLM masks before the penalties; the two commute)
@@ -57,6 +59,7 @@ from typing import NamedTuple
 import numpy as np
 
 from metrale.config import EngineConfig
+from metrale.grammar import apply_token_bitmask
 
 
 GREEDY_TEMPERATURE = 1e-5   # temperatures below this sample greedily
@@ -92,6 +95,7 @@ class SamplingParams:
     forced_close_ids: list[int] = field(default_factory=list)
     starts_in_thinking: bool = False  # the prompt already opened the think block
     adaptive_sampling: bool = False   # entropy-gated greedy (--adaptive-sampling; module doc)
+    grammar: str | None = None        # structured output: an llguidance grammar (metrale.grammar)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -320,11 +324,14 @@ class Sampler:
         params: Sequence[SamplingParams],
         generators: Sequence[np.random.Generator | None],
         histories: Sequence[TokenHistory | None] | None = None,
+        grammar_masks: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> SampleResult:
         """Pick one token per row of logits [B, V]. `generators[b]` may be None only for greedy
         rows; `histories[b]` may be None (or `histories` None) only for rows without penalties
-        or min_tokens. Params are assumed validated."""
+        or min_tokens. `grammar_masks`: (rows, packed bitmasks) of the constrained rows
+        (metrale.grammar.StepMasks.select). Params are assumed validated."""
         raw, x, histories = self._penalised(logits, params, histories)
+        apply_token_bitmask(x, grammar_masks)
         _check_generators(params, generators)
         logprobs = _row_log_softmax(raw if self.logprobs_mode == "raw" else x,
                                     _logprob_rows(params))
