@@ -197,7 +197,8 @@ def chat_grammar(worker: Worker, plan: ChatPlan, choice: ToolChoice,
     cannot be enforced."""
     mode = worker.info.get("frontend", {}).get("tool_grammar") or "auto"
     try:
-        if plan.tool_parser and wants_tool_grammar(mode, plan.tools, plan.tool_parser):
+        forcing = choice.mode == "required"
+        if plan.tool_parser and wants_tool_grammar(mode, plan.tools, plan.tool_parser, forcing):
             forced = None if choice.mode != "required" else (choice.name or "any")
             return tool_call_grammar(plan.tools, ToolGrammarPlan(forced, plan.parallel),
                                      *(_tag(worker, t) for t in ("<tool_call>", "</tool_call>")))

@@ -171,12 +171,14 @@ class ToolGrammarPlan:
     parallel: bool = True
 
 
-def wants_tool_grammar(mode: str, tools: Sequence[Mapping] | None, parser: str | None) -> bool:
+def wants_tool_grammar(mode: str, tools: Sequence[Mapping] | None, parser: str | None,
+                       forced: bool = False) -> bool:
     """--tool-grammar: on = every request with tools in a format we constrain; auto = those whose
-    tools are declared strict (OpenAI `function.strict`, Anthropic `strict`); off = never."""
+    tools are declared strict (OpenAI `function.strict`, Anthropic `strict`) or that force a
+    call (tool_choice required / named, Anthropic any / tool); off = never."""
     if not tools or mode == "off" or parser not in GRAMMAR_TOOL_FORMATS:
         return False
-    return mode == "on" or any(_is_strict(t) for t in tools)
+    return mode == "on" or forced or any(_is_strict(t) for t in tools)
 
 
 def _is_strict(tool: Mapping) -> bool:

@@ -352,3 +352,55 @@ def test_smollm2_outputs_validate(tmp_path):
             for choice in resp.choices:
                 assert choice.finish_reason == "stop", choice.message.content
                 _validate(choice.message.content, schema)
+
+
+# ---- Anthropic Messages ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def claude(server):
+    import anthropic
+
+    return anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0, timeout=300)
+
+
+def test_anthropic_output_format_text_validates(claude):
+    schema = SCHEMAS["nested"]
+    for i in range(3):
+        msg = claude.messages.create(
+            model=MODEL, max_tokens=1500, extra_body={"temperature": 1.0},
+            messages=[{"role": "user", "content": "json"}],
+            output_config={"format": {"type": "json_schema", "schema": schema}})
+        assert msg.stop_reason == "end_turn"
+        _validate(msg.content[0].text, schema)
+
+
+@pytest.mark.parametrize("choice, strict", [({"type": "tool", "name": "book"}, False),
+                                             ({"type": "any"}, False),
+                                             ({"type": "any"}, True)])
+def test_anthropic_tool_inputs_follow_their_input_schema(claude, choice, strict):
+    tools = [{"name": n, "input_schema": s, **({"strict": True} if strict else {})}
+             for n, s in TOOL_ARGS.items()]
+    for _ in range(3):
+        msg = claude.messages.create(
+            model=MODEL, max_tokens=600, extra_body={"temperature": 1.0}, tools=tools,
+            tool_choice={**choice, "disable_parallel_tool_use": True},
+            messages=[{"role": "user", "content": "book it"}])
+        assert msg.stop_reason == "tool_use", msg
+        uses = [b for b in msg.content if b.type == "tool_use"]
+        assert len(uses) == 1
+        assert choice["type"] == "any" or uses[0].name == "book"
+        jsonschema.validate(uses[0].input, TOOL_ARGS[uses[0].name])
+
+
+def test_anthropic_refusals_are_in_its_error_shape(server):
+    body = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+            "output_config": {"format": {"type": "json_schema",
+                                         "schema": {"not": {"type": "string"}}}}}
+    r = requests.post(server.url + "/v1/messages", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()
+    assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+    assert "not" in err["error"]["message"]
+    body["output_config"]["format"]["schema"] = {"type": "object", "properties": 5}
+    r = requests.post(server.url + "/v1/messages", json=body, timeout=30)
+    assert r.status_code == 400 and "not valid JSON Schema" in r.json()["error"]["message"]
