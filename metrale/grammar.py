@@ -59,6 +59,9 @@ GRAMMAR_TOOL_FORMATS = ("hermes", "poolside_v1")
 """Tool-call parsers whose format tool_call_grammar writes (`<tool_call>\\n{"name": ...,
 "arguments": {...}}\\n</tool_call>`); other formats are not constrained."""
 TOOL_GRAMMAR_MODES = ("auto", "on", "off")
+PARALLEL_MASK_ROWS = 8
+"""Steps with at least this many constrained rows compute their masks on llguidance's thread
+pool; fewer run on the mask worker thread alone."""
 
 
 class GrammarError(ValueError):
@@ -374,8 +377,12 @@ class Grammars:
 
     def _fill_rows(self, work: list[GrammarState], bits: np.ndarray) -> None:
         t0 = time.perf_counter()
-        self.executor.unsafe_compute_mask_ptr([(st.matcher, i) for i, st in enumerate(work)],
-                                              bits.ctypes.data, self.words * 4, len(work))
+        if len(work) >= PARALLEL_MASK_ROWS:     # llguidance's thread pool, across the rows
+            self.executor.unsafe_compute_mask_ptr([(st.matcher, i) for i, st in enumerate(work)],
+                                                  bits.ctypes.data, self.words * 4, len(work))
+        else:       # a few rows: on this thread (the pool's idle spinning costs more)
+            for i, st in enumerate(work):
+                st.matcher.unsafe_compute_mask_ptr(bits[i].ctypes.data, self.words * 4)
         for i, st in enumerate(work):
             if st.may_open_think:       # the model may choose to think first
                 t = st.think_start_id
@@ -408,10 +415,9 @@ def apply_token_bitmask(x: np.ndarray, masks: tuple[np.ndarray, np.ndarray] | No
         return
     rows, bits = masks
     V = x.shape[1]
-    allowed = np.unpackbits(np.ascontiguousarray(bits).view(np.uint8), axis=1,
-                            bitorder="little")[:, :V].astype(bool)
-    if allowed.shape[1] < V:
-        allowed = np.pad(allowed, ((0, 0), (0, V - allowed.shape[1])))
-    sub = x[rows]
-    sub[~allowed] = -np.inf
-    x[rows] = sub
+    words = np.ascontiguousarray(bits).view(np.uint8)
+    if words.shape[1] * 8 < V:          # ids past the mask's width are not allowed
+        words = np.pad(words, ((0, 0), (0, -(-V // 8) - words.shape[1])))
+    forbidden = np.unpackbits(words, axis=1, count=V, bitorder="little") == 0
+    for i, r in enumerate(np.asarray(rows).tolist()):
+        np.copyto(x[r], -np.inf, where=forbidden[i])

@@ -591,9 +591,13 @@ def gumbel_argmax(rows: np.ndarray, generators: Sequence[np.random.Generator]) -
     np.log(noise, out=noise)
     if noise.size == rows.size:                     # nothing truncated: no scatter
         return np.argmax(rows - noise.reshape(rows.shape), axis=1)
-    scores = np.full(rows.shape, -np.inf)
-    scores[finite] = rows[finite] - noise           # row-major: each row's finite tokens in order
-    return np.argmax(scores, axis=1)
+    picks = np.empty(rows.shape[0], dtype=np.int64)
+    at = 0
+    for i, c in enumerate(counts.tolist()):         # each row's finite tokens, in id order
+        idx = np.flatnonzero(finite[i])
+        picks[i] = idx[np.argmax(rows[i, idx] - noise[at:at + c])]
+        at += c
+    return picks
 
 
 # ---- logprobs --------------------------------------------------------------------------------
