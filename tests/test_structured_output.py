@@ -287,21 +287,59 @@ def test_metrics_count_constrained_requests_and_mask_time(server, client):
 # ---- reasoning stays free: the scripted model -------------------------------------------------
 
 ANSWER = _obj({"answer": {"type": "integer"}})
+WEATHER_ARGS = _obj({"city": {"type": "string", "maxLength": 12},
+                     "days": {"type": "integer", "minimum": 1, "maximum": 7}})
 SCRIPTS = [
+    {"when": "bad weather call", "reply": '<tool_call>\n{"name": "get_weather", "arguments": '
+     '{"city": "Paris", "days": "three"}}\n</tool_call>'},
     {"when": "think then json", "reply": "<think>\nMaybe {broken json here\n</think>\n\n"
      '{"answer": 42}'},
     {"when": "think then prose", "reply": "<think>\nok\n</think>\n\nthe answer is forty-two"},
 ]
 
 
+def _scripted_server(root, *flags):
+    path = make_scripted_model(root / "model", SCRIPTS)
+    return Server(["serve", path, "--model-name", "scripted", "--frontends", "1",
+                   "--max-seq-len", "2048", "--no-event-log", "--tool-call-parser", "hermes",
+                   *flags], root / "serve.log", env=SERVE_ENV)
+
+
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory):
-    root = tmp_path_factory.mktemp("scripted")
-    path = make_scripted_model(root / "model", SCRIPTS)
-    with Server(["serve", path, "--model-name", "scripted", "--frontends", "1",
-                 "--max-seq-len", "2048", "--no-event-log"], root / "serve.log",
-                env=SERVE_ENV).serving(180) as srv:
+    with _scripted_server(tmp_path_factory.mktemp("scripted")).serving(180) as srv:
         yield openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def _weather_call(client, strict: bool):
+    tool = _tool("get_weather", WEATHER_ARGS, strict=strict)
+    resp = client.chat.completions.create(
+        model="scripted", messages=[{"role": "user", "content": "bad weather call"}],
+        tools=[tool], temperature=0, max_tokens=200)
+    calls = resp.choices[0].message.tool_calls or []
+    return resp.choices[0], [json.loads(c.function.arguments) for c in calls]
+
+
+def test_tool_grammar_auto_constrains_strict_tools_only(scripted):
+    choice, args = _weather_call(scripted, strict=False)     # the model's own (invalid) call
+    assert args == [{"city": "Paris", "days": "three"}]
+    choice, args = _weather_call(scripted, strict=True)
+    assert choice.finish_reason == "tool_calls" and len(args) == 1
+    assert args[0]["city"] == "Paris"
+    jsonschema.validate(args[0], WEATHER_ARGS)
+
+
+@pytest.mark.parametrize("flags", [["--tool-grammar", "off"], ["--disable-tool-grammar", "true"]])
+def test_tool_grammar_off_leaves_strict_tools_unconstrained(tmp_path, flags):
+    with _scripted_server(tmp_path, *flags).serving(180) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0,
+                               timeout=120)
+        _, args = _weather_call(client, strict=True)
+        assert args == [{"city": "Paris", "days": "three"}]
+        resp = client.chat.completions.create(      # response_format is not a tool grammar
+            model="scripted", messages=[{"role": "user", "content": "think then prose"}],
+            temperature=0, max_tokens=200, response_format=_schema_format("a", ANSWER))
+        _validate(resp.choices[0].message.content, ANSWER)
 
 
 @pytest.mark.parametrize("thinking", [True, False])
@@ -324,6 +362,40 @@ def test_grammar_is_enforced_after_the_reasoning(scripted):
     msg = resp.choices[0].message
     assert (msg.model_extra or {}).get("reasoning_content", "").strip() == "ok"
     _validate(msg.content, ANSWER)
+
+
+# ---- speculative decoding: constrained requests take no drafts --------------------------------
+
+def test_constrained_requests_take_no_drafts(tmp_path):
+    from metrale.config import EngineConfig
+    from metrale.engine_core import EngineCore
+    from metrale.grammar import grammar_for_schema
+    from metrale.models.loader import load_checkpoint
+    from metrale.request import Request
+    from metrale.tokenizer import Tokenizer
+
+    path = make_tiny_chat_model(tmp_path / "model")
+    tok = Tokenizer.from_dir(path)
+    core = EngineCore(load_checkpoint(str(path)), EngineConfig(
+        device="cpu", max_seq_len=2048, ngram_speculative=True, num_drafts=3, seed=0))
+    core.use_tokenizer(tok)
+    schema = SCHEMAS["array_of_objects"]
+    grammar = grammar_for_schema(schema, "schema")
+    prompt = tok.encode("abc abc abc abc abc abc abc abc", add_special_tokens=False)
+    for i in range(4):
+        core.add_request(Request(f"g{i}", prompt, SamplingParams(
+            max_tokens=600, temperature=0.0 if i % 2 else 1.0, grammar=grammar).validate()))
+        core.add_request(Request(f"f{i}", prompt, SamplingParams(
+            max_tokens=64, temperature=0.0, ignore_eos=True).validate()))
+    out, last = {}, {}
+    while core.has_unfinished():
+        for o in core.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            last[o.request_id] = o
+    for i in range(4):
+        assert last[f"g{i}"].num_draft_tokens == 0 and last[f"g{i}"].finish_reason == "stop"
+        _validate(tok.decode(out[f"g{i}"], skip_special_tokens=True), schema)
+    assert sum(last[f"f{i}"].num_draft_tokens for i in range(4)) > 0   # drafting was on
 
 
 # ---- the real SmolLM2 ------------------------------------------------------------------------
