@@ -201,6 +201,7 @@ def chat_grammar(worker: Worker, plan: ChatPlan, choice: ToolChoice,
         if plan.tool_parser and wants_tool_grammar(mode, plan.tools, plan.tool_parser, forcing):
             forced = None if choice.mode != "required" else (choice.name or "any")
             return tool_call_grammar(plan.tools, ToolGrammarPlan(forced, plan.parallel),
+                                     plan.tool_parser,
                                      *(_tag(worker, t) for t in ("<tool_call>", "</tool_call>")))
         return grammar_for_response_format(response_format, leading_space=thinks)
     except GrammarError as e:

@@ -55,9 +55,10 @@ log = logging.getLogger("metrale.grammar")
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_OBJECT = {"type": "object"}
-GRAMMAR_TOOL_FORMATS = ("hermes", "poolside_v1")
-"""Tool-call parsers whose format tool_call_grammar writes (`<tool_call>\\n{"name": ...,
-"arguments": {...}}\\n</tool_call>`); other formats are not constrained."""
+QWEN3_XML_FORMATS = ("qwen3_coder", "qwen3_xml")
+GRAMMAR_TOOL_FORMATS = ("hermes", "poolside_v1", *QWEN3_XML_FORMATS)
+"""Tool-call parsers whose format tool_call_grammar writes (hermes' JSON body, Qwen3-Coder's
+XML parameters); other formats (mistral, gemma4, minimax_xml, bare_json) are not constrained."""
 TOOL_GRAMMAR_MODES = ("auto", "on", "off")
 PARALLEL_MASK_ROWS = 8
 """Steps with at least this many constrained rows compute their masks on llguidance's thread
@@ -195,17 +196,27 @@ def _tool_schema(tool: Mapping) -> tuple[str, dict]:
     return fn["name"], params
 
 
-def tool_call_grammar(tools: Sequence[Mapping], plan: ToolGrammarPlan,
+def tool_call_grammar(tools: Sequence[Mapping], plan: ToolGrammarPlan, fmt: str = "hermes",
                       open_tag: str = '"<tool_call>"', close_tag: str = '"</tool_call>"') -> str:
-    """A Lark grammar (llguidance) over the output that follows the prompt's prefill, hermes
-    format: calls are `<tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>` with ARGS
-    valid against the tool's parameters. `open_tag` / `close_tag`: how the grammar names the
-    tags, `<tool_call>` when the vocabulary holds them as tokens, else the quoted text."""
-    bodies = []
+    """A Lark grammar (llguidance) over the output that follows the prompt's prefill, in the
+    tool-call format `fmt` (GRAMMAR_TOOL_FORMATS), each call's arguments valid against its
+    tool's parameters:
+
+        hermes, poolside_v1   <tool_call>\n{"name": NAME, "arguments": ARGS}\n</tool_call>
+        qwen3_coder, _xml     <tool_call>\n<function=NAME>\n<parameter=P>\nVALUE\n</parameter>\n
+                              ...</function>\n</tool_call>   (parameters in schema order,
+                              the required ones always; a string VALUE is raw text, up to
+                              maxLength, an enum one of its values; others JSON)
+
+    `open_tag` / `close_tag`: how the grammar names the tags, `<tool_call>` when the vocabulary
+    holds them as tokens, else the quoted text."""
+    names, rules = [], []
     for i, tool in enumerate(tools):
         name, params = _tool_schema(tool)
         check_schema(params, f"tools[{i}].parameters")
-        bodies.append(f"call_{i}: %json {_json_with_options(_call_schema(name, params))}")
+        names.append(name)
+        rules += _qwen3_function(i, name, params) if fmt in QWEN3_XML_FORMATS else \
+            [f"call_{i}: %json {_json_with_options(_call_schema(name, params))}"]
     one_call = " | ".join(f"call_{i}" for i in range(len(tools)))
     call = f'call: {open_tag} "\\n" body "\\n" {close_tag}\nbody: {one_call}'
     more = '("\\n" call)*' if plan.parallel else ""
@@ -214,16 +225,48 @@ def tool_call_grammar(tools: Sequence[Mapping], plan: ToolGrammarPlan,
                 'TEXT: /(?s:.+)/ & ~/(?s:.*<tool_call>.*)/'
     elif plan.forced == "any":
         start = f'start: body "\\n" {close_tag} {more}'
-    else:
-        i = [_tool_schema(t)[0] for t in tools].index(plan.forced)
-        params = _tool_schema(tools[i])[1]
-        start = f'start: args "}}\\n" {close_tag} {more}\nargs: %json {_json_with_options(params)}'
-    lark = "\n".join([start, call, *bodies])
+    elif fmt in QWEN3_XML_FORMATS:      # the prefill opened <function=NAME>
+        start = f'start: args_{names.index(plan.forced)} "</function>\\n" {close_tag}'
+    else:                               # the prefill opened "arguments": 
+        params = _tool_schema(tools[names.index(plan.forced)])[1]
+        start = f'start: args "}}\\n" {close_tag}\nargs: %json {_json_with_options(params)}'
+    lark = "\n".join([start, call, *rules])
     try:
         grammar = _llg().LLMatcher.grammar_from_lark(lark)
     except ValueError as e:
         raise GrammarError(f"the tools' schemas cannot be enforced: {e}", "tools") from None
     return validated(grammar, "tools")
+
+
+def _qwen3_function(i: int, name: str, params: Mapping) -> list[str]:
+    """The Lark rules of tool i in the qwen3_coder format: call_i (the whole <function=...>
+    block) and args_i (its parameters, what follows a named prefill)."""
+    props = params.get("properties") or {} if isinstance(params, Mapping) else {}
+    required = set(params.get("required") or ()) if isinstance(params, Mapping) else set()
+    parts, rules = [], []
+    for j, (pname, prop) in enumerate(props.items()):
+        rules.append(f'p_{i}_{j}: {json.dumps(f"<parameter={pname}>" + chr(10))} v_{i}_{j}')
+        rules += _qwen3_value(f"v_{i}_{j}", prop if isinstance(prop, Mapping) else {})
+        parts.append(f"p_{i}_{j}" + ("" if pname in required else "?"))
+    rules.insert(0, f'args_{i}: {" ".join(parts) or chr(34) * 2}')
+    rules.insert(0, f'call_{i}: {json.dumps(f"<function={name}>" + chr(10))} args_{i} '
+                    '"</function>"')
+    return rules
+
+
+def _qwen3_value(rule: str, prop: Mapping) -> list[str]:
+    """A qwen3_coder parameter value and its closing tag: raw text for a string (up to
+    maxLength; the close tag ends it), one of the values of a string enum, else JSON."""
+    close = '"\\n</parameter>\\n"'
+    if prop.get("type") == "string" and isinstance(prop.get("enum"), list):
+        return [f"{rule}: (" + " | ".join(json.dumps(str(v)) for v in prop["enum"]) + f") {close}"]
+    if prop.get("type") == "string":
+        most = prop.get("maxLength")
+        span = f"{{1,{int(most)}}}" if isinstance(most, int) and most > 0 else "+"
+        term = rule.upper()     # one lexeme: the text, then the first close tag
+        return [f"{rule}: {term}", f"{term}: /(?s:.{span})\\n<\\/parameter>\\n/ & "
+                f"~/(?s:.+\\n<\\/parameter>\\n.+)/"]
+    return [f"{rule}: %json {_json_with_options(prop)} {close}"]
 
 
 def _call_schema(name: str, params: dict) -> dict:

@@ -403,7 +403,11 @@ def _mask_min_tokens(x: np.ndarray, params, histories, eos_token_ids: np.ndarray
             continue
         banned = list(p.stop_token_ids) + ([] if p.ignore_eos else eos_token_ids.tolist())
         if banned:
-            x[b, np.asarray(banned, dtype=np.int64)] = -np.inf
+            ids = np.asarray(banned, dtype=np.int64)
+            kept = x[b, ids]
+            x[b, ids] = -np.inf
+            if not np.isfinite(x[b]).any():     # a finished grammar allows only EOS: it wins
+                x[b, ids] = kept
 
 
 def _history(histories, b: int, why: str) -> TokenHistory:

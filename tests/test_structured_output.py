@@ -292,16 +292,18 @@ WEATHER_ARGS = _obj({"city": {"type": "string", "maxLength": 12},
 SCRIPTS = [
     {"when": "bad weather call", "reply": '<tool_call>\n{"name": "get_weather", "arguments": '
      '{"city": "Paris", "days": "three"}}\n</tool_call>'},
+    {"when": "bad xml call", "reply": "<tool_call>\n<function=get_weather>\n<parameter=city>\n"
+     "Paris\n</parameter>\n<parameter=days>\nthree\n</parameter>\n</function>\n</tool_call>"},
     {"when": "think then json", "reply": "<think>\nMaybe {broken json here\n</think>\n\n"
      '{"answer": 42}'},
     {"when": "think then prose", "reply": "<think>\nok\n</think>\n\nthe answer is forty-two"},
 ]
 
 
-def _scripted_server(root, *flags):
+def _scripted_server(root, *flags, parser="hermes"):
     path = make_scripted_model(root / "model", SCRIPTS)
     return Server(["serve", path, "--model-name", "scripted", "--frontends", "1",
-                   "--max-seq-len", "2048", "--no-event-log", "--tool-call-parser", "hermes",
+                   "--max-seq-len", "2048", "--no-event-log", "--tool-call-parser", parser,
                    *flags], root / "serve.log", env=SERVE_ENV)
 
 
@@ -311,11 +313,11 @@ def scripted(tmp_path_factory):
         yield openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
 
 
-def _weather_call(client, strict: bool):
+def _weather_call(client, strict: bool, prompt: str = "bad weather call", **kw):
     tool = _tool("get_weather", WEATHER_ARGS, strict=strict)
     resp = client.chat.completions.create(
-        model="scripted", messages=[{"role": "user", "content": "bad weather call"}],
-        tools=[tool], temperature=0, max_tokens=200)
+        model="scripted", messages=[{"role": "user", "content": prompt}],
+        tools=[tool], temperature=0, max_tokens=200, **kw)
     calls = resp.choices[0].message.tool_calls or []
     return resp.choices[0], [json.loads(c.function.arguments) for c in calls]
 
@@ -327,6 +329,20 @@ def test_tool_grammar_auto_constrains_strict_tools_only(scripted):
     assert choice.finish_reason == "tool_calls" and len(args) == 1
     assert args[0]["city"] == "Paris"
     jsonschema.validate(args[0], WEATHER_ARGS)
+
+
+def test_qwen3_coder_parameters_are_constrained(tmp_path):
+    with _scripted_server(tmp_path, parser="qwen3_coder").serving(180) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0,
+                               timeout=120)
+        _, args = _weather_call(client, strict=False, prompt="bad xml call")
+        assert args == [{"city": "Paris", "days": "three"}]
+        for kw in ({}, {"tool_choice": "required"},
+                   {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}):
+            choice, args = _weather_call(client, strict=True, prompt="bad xml call", **kw)
+            assert choice.finish_reason == "tool_calls" and len(args) == 1, choice
+            assert args[0]["city"] == "Paris"
+            jsonschema.validate(args[0], WEATHER_ARGS)
 
 
 @pytest.mark.parametrize("flags", [["--tool-grammar", "off"], ["--disable-tool-grammar", "true"]])
@@ -476,3 +492,14 @@ def test_anthropic_refusals_are_in_its_error_shape(server):
     body["output_config"]["format"]["schema"] = {"type": "object", "properties": 5}
     r = requests.post(server.url + "/v1/messages", json=body, timeout=30)
     assert r.status_code == 400 and "not valid JSON Schema" in r.json()["error"]["message"]
+
+
+def test_min_tokens_yields_to_a_grammar_that_allows_only_eos():
+    V, eos = 16, 3
+    logits = np.zeros((1, V), np.float32)
+    bits = np.zeros((1, 1), np.uint32)
+    bits[0, 0] = 1 << eos
+    params = [SamplingParams(min_tokens=5, temperature=1.0).validate()]
+    res = Sampler(eos_token_ids=[eos]).sample(logits, params, [make_generator(0, 0)],
+                                              [((1,), ())], (np.array([0]), bits.view(np.int32)))
+    assert res.token_ids[0] == eos
