@@ -293,8 +293,9 @@ class ModelRunner:
     def _gpu_sample(self, logits, params, steps, slots, before_wait,
                     grammar_masks=None) -> list[SampledToken]:
         want_lp = any(p.logprobs is not None for p in params)
+        masked = {} if grammar_masks is None else {"grammar_masks": grammar_masks}
         res = self.gpu_sampler.sample(logits, params, steps, slots=slots, logprobs=want_lp,
-                                      before_wait=before_wait, grammar_masks=grammar_masks)
+                                      before_wait=before_wait, **masked)
         if not want_lp:
             return [SampledToken(t) for t in res.tolist()]
         picks = []
