@@ -215,7 +215,8 @@ class CountTokens(GenerateRoute):
 def _prepare(worker: Worker, mreq: schema.MessagesRequest):
     return prepare_chat(worker, mreq.messages, tools=mreq.tools, choice=mreq.tool_choice,
                         parallel=mreq.parallel_tool_calls, kwargs=mreq.chat_template_kwargs,
-                        thinking_budget=mreq.thinking_budget)
+                        thinking_budget=mreq.thinking_budget,
+                        response_format=mreq.response_format)
 
 
 async def on_api_error(req, resp, e: APIError, params, **kwargs):

@@ -19,6 +19,8 @@ from metrale.api.errors import APIError
 from metrale.api.tool_parsers import PARSERS, ToolChoice, default_tool_parser
 from metrale.chat import ChatTemplateError, normalize_messages
 from metrale.client import EngineUnavailable
+from metrale.grammar import (GrammarError, ToolGrammarPlan, grammar_for_response_format,
+                             tool_call_grammar, wants_tool_grammar)
 from metrale.request import ContextLengthExceeded, check_context_length
 from metrale.sampling import apply_generation_defaults
 
@@ -136,7 +138,8 @@ class PreparedChat:
 def prepare_chat(worker: Worker, messages: list[dict], *, tools: list[dict] | None,
                  choice: ToolChoice, parallel: bool = True, kwargs: dict | None = None,
                  thinking_budget: int | None = None, add_generation_prompt: bool = True,
-                 continue_final_message: bool = False) -> PreparedChat:
+                 continue_final_message: bool = False,
+                 response_format: dict | None = None) -> PreparedChat:
     """Render, decide how the output is read, and tokenize one chat request (both APIs)."""
     fs = worker.info.get("frontend", {})
     kwargs = dict(kwargs or {})
@@ -171,9 +174,49 @@ def prepare_chat(worker: Worker, messages: list[dict], *, tools: list[dict] | No
                         "think_end_id": end_id, "starts_in_thinking": starts,
                         "forced_close_ids": worker.tokenizer.encode(
                             FORCED_CLOSE, add_special_tokens=False)}
+    think = _think_ids(worker, starts) if reasoning and not plan.prefill else {}
+    grammar = chat_grammar(worker, plan, choice, response_format, bool(think))
+    if grammar is not None:
+        sampling["grammar"] = grammar
+        if "think_end_id" not in sampling:
+            sampling.update(think)          # the grammar applies after </think>
     ids = encode_prompt(worker, text + plan.prefill, "messages", add_special_tokens=False)
     cap = fs.get("tool_max_tokens") if tools else None
     return PreparedChat(ids, plan, sampling, cap)
+
+
+def _think_ids(worker: Worker, starts: bool) -> dict:
+    end_id = worker.tokenizer.token_to_id(THINK_END)
+    if end_id is None:
+        return {}
+    return {"think_start_id": worker.tokenizer.token_to_id(THINK_START), "think_end_id": end_id,
+            "starts_in_thinking": starts}
+
+
+def chat_grammar(worker: Worker, plan: ChatPlan, choice: ToolChoice,
+                 response_format: dict | None, thinks: bool = False) -> str | None:
+    """The grammar of a chat request (metrale.grammar): its tool calls under --tool-grammar
+    (hermes-style formats), else its response_format; None when unconstrained. 400 naming what
+    cannot be enforced."""
+    mode = worker.info.get("frontend", {}).get("tool_grammar") or "auto"
+    try:
+        forcing = choice.mode == "required"
+        if plan.tool_parser and wants_tool_grammar(mode, plan.tools, plan.tool_parser, forcing):
+            forced = None if choice.mode != "required" else (choice.name or "any")
+            return tool_call_grammar(plan.tools, ToolGrammarPlan(forced, plan.parallel),
+                                     plan.tool_parser,
+                                     *(_tag(worker, t) for t in ("<tool_call>", "</tool_call>")))
+        return grammar_for_response_format(response_format, leading_space=thinks)
+    except GrammarError as e:
+        raise errors.invalid(str(e), e.param) from None
+
+
+def _tag(worker: Worker, text: str) -> str:
+    """How a grammar names a tool-call tag: as the token when the vocabulary adds it as one,
+    else as its text."""
+    tid = worker.tokenizer.token_to_id(text)
+    added = tid is not None and tid in worker.tokenizer.backend.get_added_tokens_decoder()
+    return text if added else '"' + text + '"'
 def choice_specs(worker: Worker, greq: schema.GenerationParams, prompts: list[list[int]],
            param: str, max_tokens_cap: int | None = None, plan: ChatPlan | None = None,
            extra_sampling: dict | None = None) -> list[ChoiceSpec]:
@@ -195,6 +238,8 @@ def choice_specs(worker: Worker, greq: schema.GenerationParams, prompts: list[li
                            code="context_length_exceeded") from None
         fields = dict(greq.sampling, max_tokens=max_tokens, logprobs=greq.logprobs,
                       **(extra_sampling or {}))
+        if plan is None and greq.response_format is not None:      # completions
+            fields["grammar"] = _response_grammar(greq.response_format)
         try:
             params = apply_generation_defaults(fields, info.get("generation_config"),
                                                info.get("sampling_defaults"))
@@ -204,6 +249,13 @@ def choice_specs(worker: Worker, greq: schema.GenerationParams, prompts: list[li
             choice = params if params.seed is None else replace(params, seed=params.seed + i)
             specs.append(ChoiceSpec(p * greq.n + i, ids, choice, greq.stop, plan))
     return specs
+
+
+def _response_grammar(response_format: dict) -> str | None:
+    try:
+        return grammar_for_response_format(response_format)
+    except GrammarError as e:
+        raise errors.invalid(str(e), e.param) from None
 
 
 def _check_num_choices(info: dict, num: int) -> None:

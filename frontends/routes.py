@@ -288,7 +288,8 @@ class ChatCompletions(GenerateRoute):
             parallel=chat.parallel_tool_calls, kwargs=chat.chat_template_kwargs,
             thinking_budget=chat.thinking_budget,
             add_generation_prompt=chat.add_generation_prompt,
-            continue_final_message=chat.continue_final_message)
+            continue_final_message=chat.continue_final_message,
+            response_format=chat.response_format)
         specs = choice_specs(self.worker, chat, [p.ids], "messages", p.max_tokens_cap, p.plan,
                        p.sampling)
         await self._run(req, resp, chat, specs, [p.ids], ChatFormat(self.worker, chat, [p.ids]))

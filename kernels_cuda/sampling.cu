@@ -29,6 +29,12 @@
 //   distribution, before penalties and temperature): out[r,1] = logprob of the token,
 //   out[r, 2 .. 2+K) = top-K ids, out[r, 2+K .. 2+2K) = their logprobs (float bits),
 //   ordered by (value desc, id asc).
+// grammar_mask_<T>(logits T [B, V] row stride ld, rows i32 [R], bits i32 [R, W], W, V): structured
+//   output (metrale/grammar.py): logits[rows[i], v] = -inf where bit v % 32 of bits[i, v / 32] is
+//   0 (llguidance's packed layout), in place, before sample_prepare (so the logprobs are of the
+//   masked logits too). Grid (ceil(V / 1024), R) x 256 threads, 4 tokens each. Bytes R * V *
+//   (1/8 + sizeof(T) when masked). Reference: metrale.grammar.apply_token_bitmask
+//   (tests/test_gpu_grammar.py).
 #include "common.cuh"
 
 namespace {
@@ -325,6 +331,17 @@ extern "C" __global__ void __launch_bounds__(SNT, 1) sample_select_f32(const flo
     mt::pdl_exit();
 }
 
+template <typename T>
+__device__ __forceinline__ void grammar_mask(T* logits, long long ld, const int* rows,
+                                             const int* bits, int W, int V) {
+    const unsigned* b = reinterpret_cast<const unsigned*>(bits) + (long long)blockIdx.y * W;
+    T* row = logits + (long long)rows[blockIdx.y] * ld;
+    const int stride = gridDim.x * blockDim.x;
+    for (int v = blockIdx.x * blockDim.x + threadIdx.x; v < V; v += stride) {
+        if (!((b[v >> 5] >> (v & 31)) & 1u)) row[v] = mt::from_f<T>(-INFINITY);
+    }
+}
+
 #define SAMPLE_INST(T, SUF)                                                                     \
     extern "C" __global__ void __launch_bounds__(256) sample_prepare_##SUF(                     \
         const T* logits, long long ld, const int* prm, const int* counts,                       \
@@ -335,6 +352,11 @@ extern "C" __global__ void __launch_bounds__(SNT, 1) sample_select_f32(const flo
     extern "C" __global__ void __launch_bounds__(SNT) sample_logprobs_##SUF(                    \
         const T* logits, long long ld, int V, const int* prm, int* out, int OW, int K) { mt::pdl_enter(); \
         sample_logprobs<T>(logits, ld, V, prm, out, OW, K);                                     \
+        mt::pdl_exit();                                                                         \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(256) grammar_mask_##SUF(                       \
+        T* logits, long long ld, const int* rows, const int* bits, int W, int V) { mt::pdl_enter(); \
+        grammar_mask<T>(logits, ld, rows, bits, W, V);                                          \
         mt::pdl_exit();                                                                         \
     }
 SAMPLE_INST(__nv_bfloat16, bf16)

@@ -264,6 +264,11 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
                    help="per-request <think> token ceiling")
     r.add_argument("--tool-max-tokens", type=int, default=8192,
                    help="hard cap on the whole completion whenever tools are present")
+    r.add_argument("--tool-grammar", choices=("auto", "on", "off"), default="auto",
+                   help="constrain tool-call arguments to each tool's schema (hermes-style "
+                        "formats; metrale.grammar): auto = when the request's tools are strict")
+    r.add_argument("--disable-tool-grammar", nargs="?", const="true", default=None,
+                   choices=("true",), help="the same as --tool-grammar off")
     return p
 
 
@@ -460,7 +465,8 @@ def model_spec_fields(args, model: str) -> dict:
         frontend={"disable_thinking": args.disable_thinking,
                   "tool_call_parser": args.tool_call_parser,
                   "max_thinking_budget": args.max_thinking_budget,
-                  "tool_max_tokens": args.tool_max_tokens})
+                  "tool_max_tokens": args.tool_max_tokens,
+                  "tool_grammar": "off" if args.disable_tool_grammar else args.tool_grammar})
 
 
 def _chat_template_arg(value: str | None) -> str | None:

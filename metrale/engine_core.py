@@ -19,6 +19,7 @@ from metrale.backends.profiling import ProfiledOps
 from metrale.cache.kv import ModelCaches
 from metrale.cache.swap import SwapSpace
 from metrale.config import EngineConfig, ssm_pool_dtype
+from metrale.grammar import Grammars
 from metrale.models.checkpoint import Checkpoint
 from metrale.models.registry import build_model
 from metrale.request import Request
@@ -125,6 +126,7 @@ class EngineCore:
             self.runner.keep_hidden = self.speculation.bind(self.caches, self.ops)
         self.runner.swap = self.swap
         self.eos_token_ids: frozenset[int] = frozenset()
+        self.grammars: Grammars | None = None   # structured output: set by use_tokenizer
         self.last_step: StepStats | None = None
         self.num_steps = 0
         if self.ops.name == "cuda":
@@ -327,6 +329,12 @@ class EngineCore:
             except Exception as e:  # noqa: BLE001 - a broken context: nothing left to give back
                 log.warning("closing the cuBLAS handles: %s", e)
 
+    def use_tokenizer(self, tokenizer) -> None:
+        """The serving tokenizer: its EOS ids end requests, and constrained requests' grammars
+        (metrale.grammar) are matched against its tokens."""
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
+        self.grammars = Grammars(tokenizer, self.model.vocab_size, self.eos_token_ids)
+
     # -- requests ---------------------------------------------------------------------------
     def can_admit(self) -> bool:
         return self.scheduler.can_admit()
@@ -339,19 +347,30 @@ class EngineCore:
             req.eos_token_ids = self.eos_token_ids
         self.runner.admit(req)
         try:
+            if req.sampling_params.grammar is not None:
+                if self.grammars is None:
+                    raise ValueError("structured output needs the engine's tokenizer "
+                                     "(EngineCore.use_tokenizer)")
+                self.grammars.admit(req)
             self.scheduler.add_request(req)
         except BaseException:
-            self.runner.release(req.request_id)
+            self._release(req.request_id)
             raise
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.abort_request(request_id)
         if req is None:
             return None
+        self._release(request_id)
+        return self._output(req, None)
+
+    def _release(self, request_id: str) -> None:
+        """Forget a finished or aborted request's per-request state (sampler, drafter, grammar)."""
         self.runner.release(request_id)
         if self.speculation is not None:
             self.speculation.release(request_id)
-        return self._output(req, None)
+        if self.grammars is not None:
+            self.grammars.release(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -369,11 +388,14 @@ class EngineCore:
     def _step(self, on_launch=None) -> list[RequestOutput]:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
-        sampled = self.runner.execute(out, on_launch)
+        grammars = self.grammars if self.grammars is not None and self.grammars.states else None
+        masks = grammars.start_masks(out) if grammars is not None else None   # during the forward
+        sampled = self.runner.execute(out, on_launch, masks)
+        stopped = grammars.commit(sampled) if grammars is not None else ()
         emitted = {rid: s.token_ids for rid, s in sampled.items()}
         before = {s.request.request_id: s.request.num_output_tokens for s in out.seqs} \
             if out.num_drafts else None
-        finished = self.scheduler.update_from_output(out, emitted)
+        finished = self.scheduler.update_from_output(out, emitted, stopped)
         if self.speculation is not None:
             if out.num_drafts:
                 self.speculation.record(out, emitted)
@@ -398,9 +420,7 @@ class EngineCore:
                     s.request, tok, None if before is None else
                     s.request.num_output_tokens - before[rid])
         for req in itertools.chain(finished, out.finished):
-            self.runner.release(req.request_id)
-            if self.speculation is not None:
-                self.speculation.release(req.request_id)
+            self._release(req.request_id)
             if req.request_id not in outputs:
                 outputs[req.request_id] = self._output(req, None)
         return list(outputs.values())

@@ -151,7 +151,7 @@ def load_engine(spec: EngineSpec, load_id: int = 1):
     finally:
         if bar is not None:
             bar.close()
-    core.eos_token_ids = frozenset(tokenizer.eos_token_ids)
+    core.use_tokenizer(tokenizer)      # EOS ids, and the grammars of structured output
     with open(ckpt.tokenizer_json, encoding="utf-8") as f:
         tokenizer_json = f.read()
     vocab_size = ckpt.config.get("vocab_size")

@@ -40,7 +40,7 @@ class LLM:
         self._chat_template = None
         self.core = EngineCore(self.checkpoint, EngineConfig(**engine_kwargs))
         if self.tokenizer is not None:
-            self.core.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+            self.core.use_tokenizer(self.tokenizer)   # EOS ids, structured output grammars
         self._ids = itertools.count()
 
     @staticmethod

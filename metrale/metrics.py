@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+_MASK_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -44,6 +45,16 @@ class EngineMetrics:
         self.spec_mean_accepted = Gauge(
             "metrale_spec_decode_mean_accepted_length", "tokens a verify emits on average "
             "(accepted drafts + the target's own), since start", registry=r)
+        self.grammar_mask = Histogram(
+            "metrale_grammar_mask_seconds", "time to compute one step's grammar token masks "
+            "(structured output), on a worker thread while the forward runs",
+            buckets=_MASK_BUCKETS, registry=r)
+        self.grammar_wait = Counter(
+            "metrale_grammar_mask_wait_seconds", "time the sampler waited for grammar masks "
+            "after the forward (the part of the mask cost on the critical path)", registry=r)
+        self.constrained = Counter("metrale_constrained_requests",
+                                   "requests admitted with a grammar (structured output)",
+                                   registry=r)
         self._active = 0
 
     def admitted(self, num_prompt_tokens: int) -> None:
@@ -79,6 +90,16 @@ class EngineMetrics:
         spec = getattr(core, "speculation", None)
         if spec is not None:
             self._set_spec(spec.stats)
+        grammars = getattr(core, "grammars", None)
+        if grammars is not None:
+            self._set_grammar(grammars.stats)
+
+    def _set_grammar(self, st) -> None:
+        """The per-step mask times since the last scrape into the histogram; totals as set."""
+        while st.mask_seconds:
+            self.grammar_mask.observe(st.mask_seconds.popleft())
+        self.grammar_wait._value.set(st.wait_seconds)
+        self.constrained._value.set(st.num_constrained)
 
     def _set_spec(self, st) -> None:
         """Counters follow the engine's totals (the scrape is the only reader)."""

@@ -107,14 +107,15 @@ class ModelRunner:
             block_size=self.block_size,
         )
 
-    def execute(self, out, on_launch=None) -> dict[str, SampledToken]:
+    def execute(self, out, on_launch=None, masks=None) -> dict[str, SampledToken]:
         """Run the forward for `out` and sample one token for every sequence that asks.
 
         `on_launch()`, when given, is called once per step at the point where host work best
         overlaps the GPU's: after a decode graph and the sampler are queued and before the wait
         for the chosen ids; before an eager forward (whose launches are host-bound themselves,
         so work deferred past them would only wait longer). The engine publishes the previous
-        step's tokens there."""
+        step's tokens there. `masks`: the step's grammar masks (metrale.grammar.StepMasks),
+        being computed while the forward runs; the sampler joins them."""
         hook = on_launch if on_launch is not None else _nothing
         if self.swap is not None:   # before anything: blocks freed by a swap-out are reused now
             self.swap.execute(out, self.caches)
@@ -126,7 +127,7 @@ class ModelRunner:
             return {}
         self.last_forward = None
         if out.num_drafts:
-            return self._execute_verify(out, hook)
+            return self._execute_verify(out, hook, masks)
         # a decode step replays its captured graph, packed straight from the ScheduledSeqs;
         # with --prefill-graphs any other step that fits a token bucket replays one too
         graphs = None
@@ -154,15 +155,15 @@ class ModelRunner:
             return {}
         requests = [s.request for s in sampling]
         if self.gpu_sampler is not None:
-            sampled = self._sample_gpu(logits, sampling, hook)
+            sampled = self._sample_gpu(logits, sampling, hook, masks)
         else:
             hook()
-            sampled = self._sample(self.ops.to_numpy(logits), requests)
+            sampled = self._sample(self.ops.to_numpy(logits), requests, masks)
         force_thinking_close(sampled, requests)     # --max-thinking-budget: close </think>
         return sampled
 
     # -- speculative verify ------------------------------------------------------------------
-    def _execute_verify(self, out, hook) -> dict[str, SampledToken]:
+    def _execute_verify(self, out, hook, masks=None) -> dict[str, SampledToken]:
         """A step with drafts (metrale.spec): eager forward with every row of a verifying
         sequence projected to logits and its window's GDN states kept; each row sampled as the
         target would sample it there; the accepted prefix's state restored."""
@@ -182,10 +183,10 @@ class ModelRunner:
         sampling = [s for s in seqs if s.sample]
         rows = _verify_rows(sampling)
         if self.gpu_sampler is not None:
-            picks = self._sample_rows_gpu(logits, sampling, rows, hook)
+            picks = self._sample_rows_gpu(logits, sampling, rows, hook, masks)
         else:
             hook()
-            picks = self._sample_rows(self.ops.to_numpy(logits), rows)
+            picks = self._sample_rows(self.ops.to_numpy(logits), rows, masks)
         sampled, partial, restores = {}, set(), []
         at = 0
         for s in sampling:
@@ -257,13 +258,14 @@ class ModelRunner:
             row += s.num_drafts
         return state_out, windows
 
-    def _sample_rows(self, logits: np.ndarray, rows) -> list[SampledToken]:
-        """Host sampler over verify rows: (request, tokens before the row) each."""
+    def _sample_rows(self, logits: np.ndarray, rows, masks=None) -> list[SampledToken]:
+        """Host sampler over verify rows: (request, tokens before the row) each (a constrained
+        request takes no drafts: its one row is masked)."""
         logits = np.asarray(logits, dtype=np.float32)
         result = self.sampler.sample(
             logits, [r.sampling_params for r, _ in rows], [self._generator(r) for r, _ in rows],
             [(r.prompt_token_ids, r.output_token_ids + extra if extra else r.output_token_ids)
-             for r, extra in rows])
+             for r, extra in rows], _select(masks, [r for r, _ in rows]))
         picks = []
         for i in range(len(rows)):
             lp = result.logprobs[i] if result.logprobs is not None else None
@@ -271,7 +273,7 @@ class ModelRunner:
                                       None if lp is None else lp[1]))
         return picks
 
-    def _sample_rows_gpu(self, logits, seqs, rows, before_wait) -> list[SampledToken]:
+    def _sample_rows_gpu(self, logits, seqs, rows, before_wait, masks=None) -> list[SampledToken]:
         """The device sampler over verify rows: row j of a sequence samples at step
         (output tokens + j) in the sequence's slot, so its Philox draw is the one decoding
         would have made there. Verified requests have no penalties (metrale.spec), so the
@@ -281,13 +283,14 @@ class ModelRunner:
         offsets = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
         return self._gpu_sample(logits, [r.sampling_params for r, _ in rows],
                                 np.repeat(steps, counts) + offsets, np.repeat(slots, counts),
-                                before_wait)
+                                before_wait, _select(masks, [r for r, _ in rows]))
 
-    def _sample_gpu(self, logits, seqs, before_wait=None) -> dict[str, SampledToken]:
+    def _sample_gpu(self, logits, seqs, before_wait=None, masks=None) -> dict[str, SampledToken]:
         """Sample on the device (one device->host copy of the chosen ids); penalty counts live
         in the sampler's row of the sequence's slot."""
         params, steps, slots = self._gpu_inputs(seqs)
-        picks = self._gpu_sample(logits, params, steps, slots, before_wait)
+        picks = self._gpu_sample(logits, params, steps, slots, before_wait,
+                                 _select(masks, [s.request for s in seqs]))
         return {s.request.request_id: t for s, t in zip(seqs, picks)}
 
     def _gpu_inputs(self, seqs):
@@ -302,10 +305,12 @@ class ModelRunner:
                 self._sampler_slot[r.request_id] = s.state_slot
         return params, steps, slots
 
-    def _gpu_sample(self, logits, params, steps, slots, before_wait) -> list[SampledToken]:
+    def _gpu_sample(self, logits, params, steps, slots, before_wait,
+                    grammar_masks=None) -> list[SampledToken]:
         want_lp = any(p.logprobs is not None for p in params)
+        masked = {} if grammar_masks is None else {"grammar_masks": grammar_masks}
         res = self.gpu_sampler.sample(logits, params, steps, slots=slots, logprobs=want_lp,
-                                      before_wait=before_wait)
+                                      before_wait=before_wait, **masked)
         if not want_lp:
             return [SampledToken(t) for t in res.tolist()]
         picks = []
@@ -317,13 +322,14 @@ class ModelRunner:
                                       None if k is None else float(res.logprobs[i]), top))
         return picks
 
-    def _sample(self, logits: np.ndarray, requests) -> dict[str, SampledToken]:
+    def _sample(self, logits: np.ndarray, requests, masks=None) -> dict[str, SampledToken]:
         logits = np.asarray(logits, dtype=np.float32)
         result = self.sampler.sample(
             logits,
             [r.sampling_params for r in requests],
             [self._generator(r) for r in requests],
             [(r.prompt_token_ids, r.output_token_ids) for r in requests],
+            _select(masks, requests),
         )
         sampled = {}
         for i, r in enumerate(requests):
@@ -338,6 +344,11 @@ class ModelRunner:
 
 def _nothing() -> None:
     pass
+
+
+def _select(masks, requests):
+    """The grammar masks of these sampler rows (joins their worker), or None."""
+    return None if masks is None else masks.select(requests)
 
 
 def _verify_rows(seqs) -> list[tuple]:

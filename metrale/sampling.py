@@ -8,7 +8,9 @@ it with `validate()`; the engine hands each step's logits to `Sampler.sample`.
 Processing order inside `Sampler` (one row = one sequence); penalties come first and greedy
 rows leave before temperature, as in vLLM's sampler:
 
-    1. penalties         repetition (prompt + output), then presence / frequency (output only)
+    1. penalties         repetition (prompt + output), then presence / frequency (output only);
+                         then the grammar mask of a constrained row (metrale.grammar): -inf
+                         where the grammar forbids the token
     2. logprobs          log_softmax of the penalised logits (see "Logprobs" below)
     3. min-tokens        stop/EOS tokens -> -inf while the output is shorter than min_tokens
                          (vLLM masks before the penalties; the two commute)
@@ -57,6 +59,7 @@ from typing import NamedTuple
 import numpy as np
 
 from metrale.config import EngineConfig
+from metrale.grammar import apply_token_bitmask
 
 
 GREEDY_TEMPERATURE = 1e-5   # temperatures below this sample greedily
@@ -92,6 +95,7 @@ class SamplingParams:
     forced_close_ids: list[int] = field(default_factory=list)
     starts_in_thinking: bool = False  # the prompt already opened the think block
     adaptive_sampling: bool = False   # entropy-gated greedy (--adaptive-sampling; module doc)
+    grammar: str | None = None        # structured output: an llguidance grammar (metrale.grammar)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -320,11 +324,14 @@ class Sampler:
         params: Sequence[SamplingParams],
         generators: Sequence[np.random.Generator | None],
         histories: Sequence[TokenHistory | None] | None = None,
+        grammar_masks: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> SampleResult:
         """Pick one token per row of logits [B, V]. `generators[b]` may be None only for greedy
         rows; `histories[b]` may be None (or `histories` None) only for rows without penalties
-        or min_tokens. Params are assumed validated."""
+        or min_tokens. `grammar_masks`: (rows, packed bitmasks) of the constrained rows
+        (metrale.grammar.StepMasks.select). Params are assumed validated."""
         raw, x, histories = self._penalised(logits, params, histories)
+        apply_token_bitmask(x, grammar_masks)
         _check_generators(params, generators)
         logprobs = _row_log_softmax(raw if self.logprobs_mode == "raw" else x,
                                     _logprob_rows(params))
@@ -396,7 +403,11 @@ def _mask_min_tokens(x: np.ndarray, params, histories, eos_token_ids: np.ndarray
             continue
         banned = list(p.stop_token_ids) + ([] if p.ignore_eos else eos_token_ids.tolist())
         if banned:
-            x[b, np.asarray(banned, dtype=np.int64)] = -np.inf
+            ids = np.asarray(banned, dtype=np.int64)
+            kept = x[b, ids]
+            x[b, ids] = -np.inf
+            if not np.isfinite(x[b]).any():     # a finished grammar allows only EOS: it wins
+                x[b, ids] = kept
 
 
 def _history(histories, b: int, why: str) -> TokenHistory:
@@ -584,9 +595,13 @@ def gumbel_argmax(rows: np.ndarray, generators: Sequence[np.random.Generator]) -
     np.log(noise, out=noise)
     if noise.size == rows.size:                     # nothing truncated: no scatter
         return np.argmax(rows - noise.reshape(rows.shape), axis=1)
-    scores = np.full(rows.shape, -np.inf)
-    scores[finite] = rows[finite] - noise           # row-major: each row's finite tokens in order
-    return np.argmax(scores, axis=1)
+    picks = np.empty(rows.shape[0], dtype=np.int64)
+    at = 0
+    for i, c in enumerate(counts.tolist()):         # each row's finite tokens, in id order
+        idx = np.flatnonzero(finite[i])
+        picks[i] = idx[np.argmax(rows[i, idx] - noise[at:at + c])]
+        at += c
+    return picks
 
 
 # ---- logprobs --------------------------------------------------------------------------------

@@ -361,7 +361,10 @@ class Scheduler:
         """How many of `req`'s proposed drafts its decode verifies: at most the KV room and
         token budget left after its one new token, never past max_seq_len (the token after
         the last draft needs a position too), and, with GDN snapshots on, never past the next
-        checkpoint (a snapshot is only taken at a window's end, when every draft is kept)."""
+        checkpoint (a snapshot is only taken at a window's end, when every draft is kept).
+        A grammar-constrained request takes none (one mask per row: metrale.grammar)."""
+        if req.sampling_params.grammar is not None:
+            return 0
         n = min(len(req.draft_token_ids), room, budget,
                 self.config.max_seq_len - req.num_tokens - 1)
         cache = self.prefix_cache
@@ -585,10 +588,10 @@ class Scheduler:
         del self._requests[req.request_id]
 
     # -- results ---------------------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput,
-                           sampled: dict[str, int | list[int]]) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int | list[int]],
+                           stopped=()) -> list[Request]:
         """Advance every scheduled request, append its sampled token, and finish it on a stop
-        condition. A verify (a sequence with drafts) emits a list: its accepted drafts, then the
+        condition (`stopped`: ids whose grammar ended with this token, metrale.grammar). A verify (a sequence with drafts) emits a list: its accepted drafts, then the
         target's token; the rejected drafts' KV and state are dropped (num_computed_tokens
         stops after the accepted ones). Returns the requests finished in this step."""
         finished = []
@@ -609,6 +612,8 @@ class Scheduler:
             # the emitted tokens first: accepted drafts are computed context (the prefix cache
             # hashes them); a stop inside them ends the request there
             reason = self._append_tokens(req, tokens) if seq.sample else None
+            if reason is None and req.request_id in stopped:
+                reason = "stop"
             req.num_computed_tokens = min(start + seq.num_new_tokens + accepted,
                                           req.num_tokens - (1 if seq.sample else 0))
             if cache is not None:

@@ -315,7 +315,7 @@ def test_system_turn_inside_messages_reaches_the_prompt(server):
      "thinking.adaptive.budget_tokens: Extra inputs are not permitted"),
     ({"thinking": {"type": "adaptive", "display": "loud"}}, "thinking.display"),
     ({"output_config": {"effort": "extreme"}}, "output_config.effort"),
-    ({"output_config": {"format": {"type": "json_schema", "schema": {}}}}, "not supported"),
+    ({"output_config": {"format": {"type": "xml", "schema": {}}}}, "output_config.format"),
     ({"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}, "not supported"),
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]},
      "messages.0.content.0.text: field required"),

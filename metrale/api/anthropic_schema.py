@@ -11,7 +11,12 @@ to /v1/messages?beta=true). As Anthropic does, a field the API does not know is 
 not change what this server generates are accepted and ignored: `context_management` (nothing
 is cleared: thinking is kept), `output_config.effort`, `service_tier`, `speed`,
 `inference_geo`, `cache_control`, `container`, `diagnostics`, .... Known fields it cannot honour
-(`output_config.format`, `mcp_servers`) are a 400 saying so.
+(`mcp_servers`) are a 400 saying so.
+
+Structured outputs (metrale.grammar): `output_config.format` {"type": "json_schema", "schema"}
+(and the beta's top-level `output_format`) constrains the text answer, sent down the path of
+OpenAI's `response_format`; tools with `strict: true`, or forced by `tool_choice` any / tool,
+get their input constrained to their input_schema (--tool-grammar).
 
 Conversion to the OpenAI-style messages our chat templates read:
   * `system` (a string or text blocks) -> a leading {"role": "system"} message; a `system`
@@ -74,7 +79,7 @@ REQUEST_FIELDS = frozenset((
     "temperature", "top_p", "top_k", "tools", "tool_choice", "thinking", "output_config",
     "context_management", "service_tier", "speed", "inference_geo", "cache_control",
     "container", "diagnostics", "mcp_servers", "billing_policy", "compaction",
-    "fallback_credit_token", "fallbacks", "thread"))
+    "fallback_credit_token", "fallbacks", "thread", "output_format"))
 _MESSAGE_FIELDS = {"user": {"role", "content"}, "assistant": {"role", "content"},
                    "system": {"role", "content", "clear_at", "output_config"}}
 _THINKING_FIELDS = {"enabled": {"type", "budget_tokens", "display"},
@@ -94,6 +99,7 @@ class MessagesRequest(GenerationParams):
     chat_template_kwargs: dict = field(default_factory=dict)
     thinking_budget: int | None = None
     thinking_display: str = "summarized"                  # or "omitted": text left out
+    response_format: dict | None = None                   # output_config.format, OpenAI-shaped
 
 
 # ---- errors ----------------------------------------------------------------------------------
@@ -196,7 +202,7 @@ def parse_messages_request(body: Any, count_only: bool = False,
     req.tools = _tools(body.get("tools"))
     req.tool_choice, req.parallel_tool_calls = _tool_choice(body.get("tool_choice"), req.tools)
     _thinking(body.get("thinking"), req, max_tokens if not count_only else None)
-    _output_config(body.get("output_config"), "output_config")
+    req.response_format = _output_format(body)
     messages = _system(body.get("system"))
     req.messages = convert_messages(body.get("messages"), messages)
     return req
@@ -212,10 +218,10 @@ def _unhonoured(body: dict) -> None:
             raise invalid(f"{name}: must be an object", name)
 
 
-def _output_config(config: Any, where: str) -> None:
-    """`effort` is accepted (generation here has no effort knob); `format` is refused."""
+def _output_config(config: Any, where: str) -> dict | None:
+    """`effort` is accepted (generation here has no effort knob); `format` is returned."""
     if config is None:
-        return
+        return None
     if not isinstance(config, dict):
         raise invalid(f"{where}: must be an object", where)
     _extra_inputs(config, _OUTPUT_CONFIG_FIELDS, where + ".")
@@ -223,9 +229,24 @@ def _output_config(config: Any, where: str) -> None:
     if effort is not None and effort not in _EFFORTS:
         raise invalid(f"{where}.effort: must be one of {', '.join(_EFFORTS)}, got {effort!r:.40}",
                       where)
-    if config.get("format") is not None:
-        raise invalid(f"{where}.format: structured outputs are not supported by this server",
+    return config.get("format")
+
+
+def _output_format(body: dict) -> dict | None:
+    """output_config.format (or the beta's output_format) as an OpenAI response_format."""
+    fmt, where = _output_config(body.get("output_config"), "output_config"), "output_config.format"
+    if fmt is None and body.get("output_format") is not None:
+        fmt, where = body["output_format"], "output_format"
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        raise invalid(f"{where}: must be {{\"type\": \"json_schema\", \"schema\": {{...}}}}",
                       where)
+    _extra_inputs(fmt, {"type", "schema"}, where + ".")
+    if not isinstance(fmt.get("schema"), dict):
+        raise invalid(f"{where}.schema: field required (a JSON schema object)", where)
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"],
+                                                   "strict": True}}
 
 
 def _sampling(body: dict) -> dict:
@@ -270,6 +291,10 @@ def _tools(tools: Any) -> list[dict] | None:
             raise invalid(f"tools.{i}.input_schema: field required (a JSON schema object, e.g. "
                           "{\"type\": \"object\", \"properties\": {...}})", "tools")
         fn = {"name": t.get("name"), "parameters": schema}
+        if t.get("strict") is not None:
+            if not isinstance(t["strict"], bool):
+                raise invalid(f"tools.{i}.strict: must be a boolean", "tools")
+            fn["strict"] = t["strict"]
         if t.get("description") is not None:
             if not isinstance(t["description"], str):
                 raise invalid(f"tools.{i}.description: must be a string", "tools")
@@ -406,7 +431,9 @@ def convert_messages(messages: Any, system: list[dict] | None = None) -> list[di
 def _system_turn(out: list[dict], m: dict, where: str) -> None:
     """A system message inside `messages`: joins the leading system prompt, or the user turn
     (or tool results) it follows; never right after an assistant turn."""
-    _output_config(m.get("output_config"), where + ".output_config")
+    if _output_config(m.get("output_config"), where + ".output_config") is not None:
+        raise invalid(f"{where}.output_config.format: give the output format at the top level "
+                      "(output_config.format)", where)
     if m.get("clear_at") not in (None, "next_user_message", "never"):
         raise invalid(f"{where}.clear_at: must be 'next_user_message' or 'never'", where)
     if m.get("content") is None:

@@ -43,6 +43,7 @@ class GenerationParams:
     sampling: dict = field(default_factory=dict)   # SamplingParams fields (not n, not max_tokens)
     logprobs: int | None = None                    # top-k per token; None = off
     user: str | None = None
+    response_format: dict | None = None            # structured output (metrale.grammar)
 
 
 @dataclass
@@ -131,7 +132,9 @@ def _common(body: Any) -> dict:
         sampling["stop_token_ids"] = stop_ids
     return dict(model=model, n=n, stream=stream, include_usage=include_usage,
                 max_tokens=max_tokens, stop=_stop(body), sampling=sampling,
-                user=_opt(body, "user", lambda v: isinstance(v, str), "a string"))
+                user=_opt(body, "user", lambda v: isinstance(v, str), "a string"),
+                response_format=_opt(body, "response_format", lambda v: isinstance(v, dict),
+                                     "an object such as {\"type\": \"json_object\"}"))
 
 
 def _seed(body: dict) -> int | None:

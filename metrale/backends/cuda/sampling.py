@@ -44,6 +44,7 @@ declare("sampling", "sample_prepare_{}", "const T* logits, long long ld, const i
 declare("sampling", "sample_select_f32", "const float* work, int V, const int* prm, int* counts, int* out, int OW")
 declare("sampling", "sample_logprobs_{}", "const T* logits, long long ld, int V, const int* prm, int* out, int OW, "
         "int K")
+declare("sampling", "grammar_mask_{}", "T* logits, long long ld, const int* rows, const int* bits, int W, int V")
 
 
 @dataclass
@@ -109,11 +110,12 @@ class GpuSampler:
         return self.rows.pack(params, steps, slots)
 
     def sample(self, logits, params: list[SamplingParams], steps, slots=None,
-               logprobs: bool = False, before_wait=None):
+               logprobs: bool = False, before_wait=None, grammar_masks=None):
         """logits [B, V] (bf16 or fp32, on the device) -> np.int32 [B] (or a SampleResult with
         logprobs filled in when `logprobs` is True). `before_wait()`, when given, runs once the
         step's kernels are queued and before the host waits for the chosen ids: host work
-        there overlaps the GPU's."""
+        there overlaps the GPU's. `grammar_masks`: (rows, packed bitmasks int32 [R, W]) of the
+        constrained rows (metrale.grammar): uploaded and applied to `logits` in place first."""
         B, V = logits.shape
         if V != self.vocab_size or B > self.max_batch or len(params) != B:
             raise ValueError(f"sample: logits {logits.shape}, {len(params)} params; sampler "
@@ -132,6 +134,8 @@ class GpuSampler:
         prm.set(self._pack(params, steps, slots), stream=cp.cuda.get_current_stream())
         counts, prompt = self.counts, self.prompt      # None (NULL) without penalties
         sfx = _sfx(logits)
+        if grammar_masks is not None:
+            self._mask(logits, ld, *grammar_masks)
         chunks = min(64, (V + 1023) // 1024)
         _kernel(self.ops, "sampling.cu", f"sample_prepare_{sfx}")(
             (chunks, B), (256,), logits=logits, ld=ld, prm=prm, counts=counts, prompt=prompt, work=self.work, V=V)
@@ -162,3 +166,12 @@ class GpuSampler:
         res.top_ids[off] = -1
         res.top_logprobs[off] = -np.inf
         return res
+
+    def _mask(self, logits, ld: int, rows, bits) -> None:
+        """logits[rows[i], v] = -inf where bit v of bits[i] is 0 (kernels_cuda/sampling.cu)."""
+        rows = cp.asarray(np.ascontiguousarray(rows, dtype=np.int32))
+        bits = cp.asarray(np.ascontiguousarray(bits, dtype=np.int32))
+        V = self.vocab_size
+        _kernel(self.ops, "sampling.cu", f"grammar_mask_{_sfx(logits)}")(
+            ((V + 1023) // 1024, int(rows.size)), (256,), logits=logits, ld=ld, rows=rows,
+            bits=bits, W=int(bits.shape[1]), V=V)
