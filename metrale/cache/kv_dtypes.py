@@ -97,8 +97,9 @@ lower with outlier channels; its worst case is a one-hot spike (the randomized H
 transform turns it into a flat +-1/sqrt(D) vector): up to 2.2x for turbo2 / turbo8. At the
 same bytes turbo8 is 16x more precise than fp8, and turbo4 matches nvfp4 in 10 % fewer bytes.
 End to end (SmolLM2, greedy over 64 tokens against unquantized KV, default promotion): fp8
-keeps 49 tokens, the 4-bit and lower formats break at the continuation's first near-tie (1-3
-tokens); see tests/test_kv_dtypes.py for every dtype.
+keeps 49 tokens, turbo8 32, the bf16-K pairs 26-47, fp8k_nvfp4v 26, turbo8k_turbo4v 56; the
+others (4-bit or lower K, and fp8k_turbo3v / fp8k_turbo4v) break at the continuation's first
+close calls, after 1-3 tokens; tests/test_kv_dtypes.py has every dtype.
 """
 from __future__ import annotations
 
