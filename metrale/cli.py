@@ -60,6 +60,19 @@ ENGINE_FLAGS = {
                                   "tokens between GDN state snapshots"),
     "--ssm-h-dtype": ("ssm_h_dtype", str, "GDN state pool dtype between steps: f32, f16-pool or "
                       "bf16-pool (half the memory per slot; fp32 inside each step)"),
+    "--kv-cache-dtype": ("kv_cache_dtype", str, "KV cache precision: bf16, fp8, nvfp4, turbo2, "
+                         "turbo3, turbo4, turbo8, or a K/V pair bf16k_turbo3v, bf16k_turbo4v, "
+                         "bf16k_fp8v, bf16k_nvfp4v, fp8k_turbo3v, fp8k_turbo4v, fp8k_nvfp4v, "
+                         "turbo8k_turbo4v, turbo4k_turbo3v (CPU backend only so far)"),
+    "--kv-high-precision-layers": ("kv_high_precision_layers", str, "keep the first ceil(N/2) "
+                                   "and last floor(N/2) attention layers' KV in bf16: N, auto "
+                                   "(2), max or all; 0 = the dtype's automatic value (none for "
+                                   "bf16/fp8/nvfp4, max(4, ceil(4L/5)) for turbo2 and "
+                                   "bf16k_turbo3v, max(2, ceil(L/3)) for the other turbo and "
+                                   "K/V pairs)"),
+    "--fp8-kv-calibration-tokens": ("fp8_kv_calibration_tokens", int, "fp8 KV: the first N "
+                                    "tokens each layer writes set its max |K| / |V|, then every "
+                                    "vector uses that fixed scale; 0 = per-vector scales"),
     "--scheduler": ("scheduler", str, "fifo, or slai (SLO-aware)"),
     "--warmup": ("warmup", str, "startup warm-up steps (kernels loaded, activation pool grown to "
                  "a --max-prefill-tokens prefill): auto (on for cuda), on or off"),
@@ -103,7 +116,6 @@ ENGINE_FLAGS = {
 VLLM_HINTS = {
     "--max-num-batched-tokens": "Metrale's per-step token budget is --max-prefill-tokens",
     "--enable-chunked-prefill": "prefill is always chunked (budget: --max-prefill-tokens)",
-    "--kv-cache-dtype": "the KV cache is bf16 on CUDA and fp32 on the CPU in this build",
     "--quantization": "the format (bf16, FP8, NVFP4, GGUF) is read from the checkpoint, never "
                       "from a flag",
     "--trust-remote-code": "no remote code is ever run: the architectures Metrale implements "

@@ -45,6 +45,13 @@ class EngineConfig:
     ssm_cache_slots: int = 16
     ssm_checkpoint_interval: int = 256    # tokens between GDN state snapshots
     ssm_h_dtype: str = "f32"              # GDN state pool: f32 | f16-pool | bf16-pool (half the bytes)
+    # KV cache precision (metrale.cache.kv_dtypes). The operator reference's default is fp8; ours
+    # stays bf16 until the CUDA attention kernels read quantized KV (then the default moves to
+    # fp8): CUDA refuses any other dtype meanwhile (check_backend), and the CPU suite compares
+    # against HF at 1e-4 with unquantized KV.
+    kv_cache_dtype: str = "bf16"          # bf16 | fp8 | nvfp4 | turbo2|3|4|8 | the nine <K>k_<V>v pairs
+    kv_high_precision_layers: str = "0"   # N | auto (2) | max | all; 0 = the dtype's automatic value
+    fp8_kv_calibration_tokens: int = 0    # fp8 KV: calibrate fixed per-layer scales over N tokens
     scheduler: str = "fifo"               # fifo | slai
     tbt_deadline_ms: float = 100.0
     request_timeout: float = 300.0        # seconds, 0 disables
@@ -86,6 +93,7 @@ class EngineConfig:
         if self.ssm_h_dtype not in SSM_H_DTYPES:
             raise ConfigError(f"--ssm-h-dtype must be one of {', '.join(SSM_H_DTYPES)}, "
                               f"got {self.ssm_h_dtype!r}")
+        self._validate_kv_cache()
         if self.warmup not in ("auto", "on", "off"):
             raise ConfigError(f"--warmup must be auto, on or off, got {self.warmup!r}")
         if self.prefill_graphs not in ("on", "off"):
@@ -105,6 +113,26 @@ class EngineConfig:
         if self.max_batch_size > self.max_num_seqs:
             self.max_num_seqs = self.max_batch_size
         return self
+
+    def _validate_kv_cache(self) -> None:
+        from metrale.cache.kv_dtypes import KV_CACHE_DTYPES
+
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                              f"got {self.kv_cache_dtype!r}")
+        if self.fp8_kv_calibration_tokens < 0:
+            raise ConfigError(f"--fp8-kv-calibration-tokens must be >= 0 (0 = per-vector scales "
+                              f"only), got {self.fp8_kv_calibration_tokens}")
+        # --kv-high-precision-layers is never refused: the engine warns on an unparseable value
+        # and uses 0 (the operator reference's rule; kv_dtypes.high_precision_layers)
+
+    def check_backend(self, backend: str) -> None:
+        """Refuse what the chosen backend cannot run yet (called once the device is known)."""
+        if backend == "cuda" and self.kv_cache_dtype != "bf16":
+            raise ConfigError(
+                f"--kv-cache-dtype {self.kv_cache_dtype} is not implemented on the CUDA backend "
+                f"yet (its attention kernels read bf16 KV only): serve with --kv-cache-dtype bf16 "
+                f"(the default), or run the quantized KV on the CPU backend (--device cpu)")
 
     def _validate_sampling(self) -> None:
         if not 0.0 <= self.default_min_p <= 1.0:

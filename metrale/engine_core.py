@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from metrale.backends import make_ops
 from metrale.backends.profiling import ProfiledOps
 from metrale.cache.kv import ModelCaches
+from metrale.cache.kv_dtypes import plan_kv_layers
 from metrale.cache.swap import SwapSpace
-from metrale.config import EngineConfig, ssm_pool_dtype
+from metrale.config import ConfigError, EngineConfig, ssm_pool_dtype
 from metrale.grammar import Grammars
 from metrale.models.checkpoint import Checkpoint
 from metrale.models.registry import build_model
@@ -87,6 +88,7 @@ class EngineCore:
         self.config = (config or EngineConfig()).validate()
         self.seed = pick_engine_seed(self.config.seed)   # unseeded requests draw from it
         self.ops = make_ops(self.config)
+        self.config.check_backend(self.ops.name)
         if self.config.profile:     # --profile: every op timed (CUDA graphs stay off)
             self.ops = ProfiledOps(self.ops)
         if self.ops.name == "cuda":
@@ -96,7 +98,7 @@ class EngineCore:
             self.stream = self.ops.cp.cuda.Stream(non_blocking=False)
             self.stream.use()
         self.model = build_model(ckpt, self.ops, mtp=_mtp_mode(self.config))
-        spec = self.model.cache_spec()
+        spec = self._kv_spec(self.model.cache_spec())
         self.hybrid = bool(spec.gdn_layers)
         self.speculation = make_speculation(self.config, self.model, self.ops.name == "cuda")
         self.ssm_dtype = ssm_pool_dtype(self.config.ssm_h_dtype)
@@ -111,7 +113,8 @@ class EngineCore:
         self.caches = ModelCaches(spec, self.ops, num_blocks=num_blocks + 1 + num_scratch,
                                   block_size=self.config.block_size,
                                   num_state_slots=num_slots + 1 + num_verify,
-                                  ssm_dtype=self.ssm_dtype)
+                                  ssm_dtype=self.ssm_dtype,
+                                  kv_calibration_tokens=self.config.fp8_kv_calibration_tokens)
         self.swap = SwapSpace.for_caches(self.caches, self.config.swap_space_gb)
         self._num_blocks, self._num_slots = num_blocks, num_slots
         self.scheduler = self._new_scheduler()
@@ -142,6 +145,22 @@ class EngineCore:
                  weight_bytes(self.model) / 2**20, num_blocks, self.config.block_size,
                  num_blocks * spec.kv_bytes_per_block(self.config.block_size, self.ops.dtype) / 2**20,
                  num_slots, num_slots * spec.state_bytes_per_slot(self.ops.dtype, self.ssm_dtype) / 2**20)
+
+    def _kv_spec(self, spec):
+        """The model's cache spec with each attention layer's KV dtype (--kv-cache-dtype,
+        --kv-high-precision-layers), logged per layer group."""
+        cfg = self.config
+        plan = plan_kv_layers(cfg.kv_cache_dtype, cfg.kv_high_precision_layers, spec.attention_layers)
+        try:
+            spec = spec.with_kv_dtypes(plan)
+            spec.kv_bytes_per_block(cfg.block_size, self.ops.dtype)     # the layouts exist
+        except ValueError as exc:
+            raise ConfigError(f"--kv-cache-dtype {cfg.kv_cache_dtype}: {exc}") from exc
+        if cfg.fp8_kv_calibration_tokens and not any("fp8" in f for f in plan.values()):
+            log.warning("--fp8-kv-calibration-tokens %d: no layer stores fp8 KV (--kv-cache-dtype "
+                        "%s): ignored", cfg.fp8_kv_calibration_tokens, cfg.kv_cache_dtype)
+        log.info("KV cache %s: %s", cfg.kv_cache_dtype, spec.describe_kv(cfg.block_size, self.ops.dtype))
+        return spec
 
     def _setup_cuda(self, num_blocks: int, num_slots: int) -> None:
         from metrale.backends.cuda.graphs import DecodeGraphs

@@ -9,6 +9,10 @@ Quantized weights (metrale.models.quant) stay typed objects in the model; the op
 weights (linear, lm_head, embedding, moe) dequantise each to fp32 the first time they see it and
 keep that copy (`_dense`): the same memory and per-step cost as a bf16 checkpoint on this
 backend, while `linear(x, QuantizedTensor)` stays the op a CUDA kernel is tested against.
+
+Quantized KV (metrale.cache.kv_dtypes): write_kv encodes each new vector into its block
+(QuantKvCache.write) and attention decodes the gathered slots of each sequence per op
+(QuantKvCache.read), every read of the same quantized bytes, new tokens included.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import numba
 import numpy as np
 
 from metrale.backends.base import compose_gated_delta_rule_with_gates, compose_qk_norm_rope_write_kv
+from metrale.cache.kv_dtypes import is_quantized_kv
 from metrale.forward import ForwardBatch
 from metrale.models.quant import is_quantized
 
@@ -239,12 +244,11 @@ class CpuOps:
 
     def write_kv(self, k, v, k_cache, v_cache, batch):
         slots = np.asarray(batch.slot_mapping, dtype=np.int64)
-        hk, d = k_cache.shape[-2:]
         keep = slots >= 0        # a negative slot (padding) writes nothing, as on CUDA
         if not keep.all():
             slots, k, v = slots[keep], np.asarray(k)[keep], np.asarray(v)[keep]
-        k_cache.reshape(-1, hk, d)[slots] = k
-        v_cache.reshape(-1, hk, d)[slots] = v
+        _store_kv(k_cache, slots, k)
+        _store_kv(v_cache, slots, v)
 
     def qk_norm_rope_write_kv(self, q, k, v, q_norm_w, k_norm_w, eps, offset, positions, inv_freq,
                               rotary_dim, k_cache, v_cache, batch):
@@ -253,14 +257,12 @@ class CpuOps:
 
     def attention(self, q, k_cache, v_cache, batch, scale):
         out = np.empty(q.shape, dtype=F32)
-        hk, d = k_cache.shape[-2:]
-        flat_k, flat_v = k_cache.reshape(-1, hk, d), v_cache.reshape(-1, hk, d)
         for i in range(batch.num_seqs):
             rows = _seq_rows(batch, i)
             if rows.stop == rows.start:     # no new tokens (an empty row of a padded step)
                 continue
             slots = _seq_slots(batch, i, int(batch.seq_lens[i]))
-            out[rows] = _attend(_f32(q[rows]), _f32(flat_k[slots]), _f32(flat_v[slots]),
+            out[rows] = _attend(_f32(q[rows]), _load_kv(k_cache, slots), _load_kv(v_cache, slots),
                                 _context_len(batch, i), scale)
         return self._out(out)
 
@@ -345,6 +347,23 @@ class CpuOps:
             y = (_silu(h[:, :half]) * h[:, half:]) @ _f32(down[e]).T
             np.add.at(out, tok, y * weights[tok, pick][:, None])
         return self._out(out)
+
+
+def _store_kv(cache, slots, x) -> None:
+    """x [n, Hk, D] into token slots `slots` of one side of a layer's KV."""
+    if is_quantized_kv(cache):
+        cache.write(slots, _f32(x))
+        return
+    hk, d = cache.shape[-2:]
+    cache.reshape(-1, hk, d)[slots] = x
+
+
+def _load_kv(cache, slots) -> np.ndarray:
+    """fp32 [n, Hk, D] of token slots `slots` of one side of a layer's KV."""
+    if is_quantized_kv(cache):
+        return cache.read(slots)
+    hk, d = cache.shape[-2:]
+    return _f32(cache.reshape(-1, hk, d)[slots])
 
 
 def _attend(q, k, v, context_len, scale):

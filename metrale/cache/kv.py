@@ -4,6 +4,8 @@ A model describes what each layer needs with a `CacheSpec` (one entry per decode
 `ModelCaches` allocates it through the backend's `ops.zeros`. Layouts (see metrale.forward):
 
     attention layer:  k, v   [num_blocks, block_size, n_kv_heads, head_dim]        (ops.dtype)
+                             or, per side in a quantized KV format, a QuantKvCache over bytes
+                             [num_blocks, block_bytes] (metrale.cache.kv_dtypes: the layouts)
     GDN layer:        conv   [num_state_slots, conv_dim, kernel_size - 1]          (ops.dtype)
                       ssm    [num_state_slots, n_v_heads, head_k_dim, head_v_dim]  (fp32, or
                              f16 / bf16 with --ssm-h-dtype f16-pool / bf16-pool)
@@ -14,19 +16,24 @@ memory budget before allocating them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
+
+from metrale.cache.kv_dtypes import BF16, make_kv_side, raw_blocks, side_bytes_per_block
 
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """An attention layer's paged KV."""
+    """An attention layer's paged KV: `kv_dtype` = (K format, V format) of
+    metrale.cache.kv_dtypes (bf16 = unquantized, in the activation dtype)."""
     n_kv_heads: int
     head_dim: int
+    kv_dtype: tuple[str, str] = (BF16, BF16)
 
     def bytes_per_block(self, block_size: int, dtype) -> int:
-        return 2 * block_size * self.n_kv_heads * self.head_dim * np.dtype(dtype).itemsize
+        return sum(side_bytes_per_block(fmt, block_size, self.n_kv_heads, self.head_dim, dtype)
+                   for fmt in self.kv_dtype)
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,21 @@ class CacheSpec:
         """Bytes one KV block costs across all attention layers (K and V)."""
         return sum(self.layers[i].bytes_per_block(block_size, dtype) for i in self.attention_layers)
 
+    def with_kv_dtypes(self, plan: dict[int, tuple[str, str]]) -> "CacheSpec":
+        """This spec with attention layer i's KV in formats plan[i] (kv_dtypes.plan_kv_layers)."""
+        return CacheSpec(tuple(replace(s, kv_dtype=tuple(plan[i])) if i in plan else s
+                               for i, s in enumerate(self.layers)))
+
+    def describe_kv(self, block_size: int, dtype) -> str:
+        """The KV dtype of each group of attention layers and the bytes a token costs (the
+        startup log)."""
+        groups: dict[tuple[str, str], list[int]] = {}
+        for i in self.attention_layers:
+            groups.setdefault(self.layers[i].kv_dtype, []).append(i)
+        parts = [f"K {k} / V {v} on layers {_ranges(ids)}" for (k, v), ids in groups.items()]
+        per_token = self.kv_bytes_per_block(block_size, dtype) / block_size
+        return f"{'; '.join(parts) or 'no attention layers'}; {per_token:,.0f} bytes per token"
+
     def state_bytes_per_slot(self, dtype, ssm_dtype=np.float32) -> int:
         """Bytes one state slot costs across all GDN layers (conv in `dtype`, ssm in
         `ssm_dtype`)."""
@@ -72,19 +94,22 @@ class ModelCaches:
     layers. `num_blocks` KV blocks of `block_size` tokens; `num_state_slots` GDN state rows."""
 
     def __init__(self, spec: CacheSpec, ops, num_blocks: int, block_size: int,
-                 num_state_slots: int, ssm_dtype=np.float32):
+                 num_state_slots: int, ssm_dtype=np.float32, kv_calibration_tokens: int = 0):
         self.spec = spec
         self.ops = ops
         self.ssm_dtype = np.dtype(ssm_dtype)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_state_slots = num_state_slots
-        self._arrays: list[tuple] = [self._allocate(s) for s in spec.layers]
+        self.kv_calibration_tokens = kv_calibration_tokens     # fp8 KV: --fp8-kv-calibration-tokens
+        self._arrays: list[tuple] = [self._allocate(i, s) for i, s in enumerate(spec.layers)]
 
-    def _allocate(self, layer_spec) -> tuple:
+    def _allocate(self, layer: int, layer_spec) -> tuple:
         if isinstance(layer_spec, AttentionSpec):
-            shape = (self.num_blocks, self.block_size, layer_spec.n_kv_heads, layer_spec.head_dim)
-            return self.ops.zeros(shape), self.ops.zeros(shape)
+            return tuple(make_kv_side(fmt, self.ops, layer, side, self.num_blocks, self.block_size,
+                                      layer_spec.n_kv_heads, layer_spec.head_dim,
+                                      self.kv_calibration_tokens)
+                         for side, fmt in enumerate(layer_spec.kv_dtype))
         conv = (self.num_state_slots, layer_spec.conv_dim, layer_spec.kernel_size - 1)
         ssm = (self.num_state_slots, layer_spec.n_v_heads, layer_spec.head_k_dim, layer_spec.head_v_dim)
         return self.ops.zeros(conv), self.ops.zeros(ssm, dtype=self.ssm_dtype)
@@ -128,15 +153,16 @@ class ModelCaches:
     # -- swapping (metrale.cache.swap): host copies of blocks and state rows ------------------
     def read_blocks(self, block_ids) -> list[np.ndarray]:
         """Host copies of K and V of `block_ids` in every attention layer, in layer order:
-        [k, v, k, v, ...], each [len(block_ids), block_size, n_kv_heads, head_dim]."""
+        [k, v, k, v, ...], each [len(block_ids), block_size, n_kv_heads, head_dim], or the raw
+        bytes [len(block_ids), block_bytes] of a quantized side (moved unchanged)."""
         idx = self.ops.asarray(np.asarray(block_ids, dtype=np.int64), dtype=np.int64)
-        return [self.ops.to_numpy(a[idx]) for layer in self.spec.attention_layers
+        return [self.ops.to_numpy(raw_blocks(a)[idx]) for layer in self.spec.attention_layers
                 for a in self._arrays[layer]]
 
     def write_blocks(self, block_ids, arrays) -> None:
         """Inverse of `read_blocks`: copy host arrays into blocks `block_ids`."""
         idx = self.ops.asarray(np.asarray(block_ids, dtype=np.int64), dtype=np.int64)
-        dst = [a for layer in self.spec.attention_layers for a in self._arrays[layer]]
+        dst = [raw_blocks(a) for layer in self.spec.attention_layers for a in self._arrays[layer]]
         for a, host in zip(dst, arrays, strict=True):
             a[idx] = self.ops.asarray(host, dtype=a.dtype)
 
@@ -163,3 +189,15 @@ class ModelCaches:
     def total_bytes(self) -> int:
         return (self.num_blocks * self.kv_bytes_per_block
                 + self.num_state_slots * self.state_bytes_per_slot)
+
+
+def _ranges(ids: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    out, start = [], None
+    for j, i in enumerate(ids):
+        if start is None:
+            start = i
+        if j + 1 == len(ids) or ids[j + 1] != i + 1:
+            out.append(f"{start}-{i}" if i != start else f"{i}")
+            start = None
+    return ", ".join(out)

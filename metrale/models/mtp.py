@@ -58,7 +58,9 @@ loads nor saves them).
 Cache: the head's one attention layer has its own KV pool, `cache_spec()` (one AttentionSpec).
 It is indexed by the same block tables and slot mapping as the main model's KV (one entry per
 position of the sequence), so allocate it with the main pool's num_blocks and block_size:
-`ModelCaches(mtp.cache_spec(), ops, num_blocks, block_size, 0)`.
+`ModelCaches(mtp.cache_spec(), ops, num_blocks, block_size, 0)`. That KV is unquantized (the
+activation dtype) whatever --kv-cache-dtype says: the head's spec keeps AttentionSpec's default
+bf16 formats, so its precision can change how many drafts are kept, never an emitted token.
 
 `--mtp-vocab N` (`logits(hidden, vocab_limit=N)`): the lm head is sliced to its first N rows,
 so the logits are [T, N] and column j is token j; ids >= N are never scored or proposed.
