@@ -8,7 +8,8 @@ It owns the EngineCore, the event journal, the Prometheus registry and the rate-
 
     PULL    submit   Submit / Abort / Heartbeat from any number of frontends
     PUB     output   StepOutput per step, topic = frontend id
-    ROUTER  control  HealthCheck, ModelInfoQuery, StatsQuery (Prometheus text), RateLimitCheck
+    ROUTER  control  HealthCheck, ModelInfoQuery, StatsQuery (Prometheus text), RateLimitCheck,
+                     StoreRequest (stored responses and conversations: metrale.store)
     PUB     events   every journal event, topic = event type
 
 Each socket's messages are dispatched by type through a table (`_on_submitted`, `_on_control`).
@@ -36,6 +37,7 @@ from pathlib import Path
 import orjson
 import zmq
 
+from metrale import store as stored
 from metrale import wire
 from metrale.engine_core import EngineCore, RequestOutput
 from metrale.events import ADDRESSES_FILE, Journal
@@ -97,7 +99,13 @@ class EngineServer:
         self._on_submitted = {wire.Submit: self._submit, wire.Abort: self._on_abort,
                               wire.Heartbeat: self._heartbeat}
         self._on_control = {wire.HealthCheck: self._health, wire.ModelInfoQuery: self._model_info,
-                            wire.StatsQuery: self._stats, wire.RateLimitCheck: self._rate_limit}
+                            wire.StatsQuery: self._stats, wire.RateLimitCheck: self._rate_limit,
+                            wire.StoreRequest: self._store_request}
+        # stored responses and conversations: a view of the journal (metrale.store)
+        self.store, _ = stored.load(journal.dir if journal else None,
+                                    core.config.store_max_items, core.config.store_ttl)
+        self._snapshot: stored.SnapshotWriter | None = None
+        self._last_sweep = 0.0
         self._bind()
 
     # -- sockets ----------------------------------------------------------------------------
@@ -127,6 +135,8 @@ class EngineServer:
         tmp.replace(path)
 
     def close(self) -> None:
+        if self._snapshot is not None:
+            self._snapshot.abandon()
         for s in (self.pull, self.out, self.control, self.events):
             s.close(0)
         if self.journal:
@@ -134,13 +144,14 @@ class EngineServer:
             self.journal.close()
 
     # -- events -----------------------------------------------------------------------------
-    def emit(self, event_type: str, **fields) -> None:
+    def emit(self, event_type: str, **fields) -> dict:
         """Journal the event (buffered); it is published by the next `_commit_events`."""
         if self.journal:
             event = self.journal.append(event_type, flush=False, **fields)
         else:
             event = {"seq": 0, "type": event_type, "ts": time.time(), **fields}
         self._uncommitted.append(event)
+        return event
 
     def _commit_events(self) -> None:
         """Flush the journal, then publish what is now on disk."""
@@ -167,6 +178,7 @@ class EngineServer:
                 self._step()
             if not self.core.has_unfinished():
                 self._flush()            # no next step to overlap with
+            self._store_upkeep()
             self._commit_events()
         self._flush()
         self.emit("ModelReleased", model=self.model_info.name)
@@ -391,12 +403,50 @@ class EngineServer:
 
     def _stats(self, msg: wire.StatsQuery) -> wire.ControlReply:
         self.metrics.set_gauges(self.core)
+        self.metrics.set_store(self.store.counts())
         return wire.ControlReply(True, {"prometheus": self.metrics.render(),
                                         "running": len(self.live),
                                         "rate_limit_keys": self.ratelimit.num_keys})
 
     def _rate_limit(self, msg: wire.RateLimitCheck) -> wire.ControlReply:
         return wire.ControlReply(True, self.ratelimit.check(msg.key, int(msg.tokens)))
+
+    # -- the store (metrale.store) ----------------------------------------------------------
+    def _store_commit(self, event_type: str, fields: dict) -> dict:
+        event = self.emit(event_type, **fields)
+        self.store.apply(event)
+        return event
+
+    def _store_request(self, msg: wire.StoreRequest) -> wire.ControlReply:
+        """Answered only once what it changed is fsynced: an acknowledged write survives a
+        kill -9 (and a power loss). A cancel also aborts the response's engine requests."""
+        before = self.journal.next_seq if self.journal else 0
+        try:
+            data, ok = self.store.execute(msg.op, msg.owner, msg.args, self._store_commit), True
+        except stored.StoreError as e:
+            data, ok = e.to_dict(), False
+        if self.journal and self.journal.next_seq != before:
+            self.journal.sync()
+        self._commit_events()
+        for request_id in data.pop("abort", ()) if ok else ():
+            self._abort(request_id, "cancelled")
+        return wire.ControlReply(ok, data)
+
+    def _store_upkeep(self) -> None:
+        """Retention (every TTL_SWEEP_S) and the snapshot, a chunk per loop iteration."""
+        now = time.monotonic()
+        if now - self._last_sweep >= stored.TTL_SWEEP_S:
+            self._last_sweep = now
+            if self.store.expire(self._store_commit) and self.journal:
+                self.journal.sync()
+        if self.journal is None:
+            return
+        if self._snapshot is None and self.store.events_since_snapshot >= stored.SNAPSHOT_EVERY:
+            self.journal.flush()
+            self._snapshot = stored.SnapshotWriter(self.store, self.journal.dir,
+                                                   self.journal.next_seq - 1)
+        if self._snapshot is not None and self._snapshot.step():
+            self._snapshot = None
 
 
 def _delta(out: RequestOutput) -> wire.TokenDelta:

@@ -44,6 +44,15 @@ class EngineMetrics:
         self.spec_mean_accepted = Gauge(
             "metrale_spec_decode_mean_accepted_length", "tokens a verify emits on average "
             "(accepted drafts + the target's own), since start", registry=r)
+        self.stored_responses = Gauge("metrale_stored_responses",
+                                      "responses in the store (/v1/responses)", registry=r)
+        self.stored_conversations = Gauge("metrale_stored_conversations",
+                                          "conversations in the store", registry=r)
+        self.stored_conversation_items = Gauge("metrale_stored_conversation_items",
+                                               "items of every stored conversation", registry=r)
+        self.store_evictions = Counter("metrale_store_evictions",
+                                       "stored objects evicted by --store-max-items / --store-ttl",
+                                       registry=r)
         self._active = 0
 
     def admitted(self, num_prompt_tokens: int) -> None:
@@ -79,6 +88,12 @@ class EngineMetrics:
         spec = getattr(core, "speculation", None)
         if spec is not None:
             self._set_spec(spec.stats)
+
+    def set_store(self, counts: dict) -> None:
+        self.stored_responses.set(counts["responses"])
+        self.stored_conversations.set(counts["conversations"])
+        self.stored_conversation_items.set(counts["conversation_items"])
+        self.store_evictions._value.set(counts["evicted"])
 
     def _set_spec(self, st) -> None:
         """Counters follow the engine's totals (the scrape is the only reader)."""

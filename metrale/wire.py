@@ -11,7 +11,7 @@ Sockets (DESIGN.md section 2):
   frontend PUSH  -> engine PULL     Submit, Abort, Heartbeat
   engine   PUB   -> frontend SUB    StepOutput (topic = frontend id: each frontend gets only its own)
   frontend DEALER <-> engine ROUTER a control request (HealthCheck, ModelInfoQuery, StatsQuery,
-                                    RateLimitCheck) -> ControlReply (model_info's data is a
+                                    RateLimitCheck, StoreRequest) -> ControlReply (model_info's data is a
                                     ModelInfo: typed, validated, JSON-safe)
   engine   PUB   -> anyone SUB      events (topic = event type), see metrale.events
 
@@ -105,6 +105,17 @@ class RateLimitCheck:
     """Charge `tokens` to `key`'s buckets; answered with metrale.ratelimit's verdict."""
     key: str = ""
     tokens: int = 0
+
+
+@dataclass(frozen=True)
+class StoreRequest:
+    """A stored-responses / conversations operation (metrale.store: `op` is one of
+    Store's ops, `owner` the caller's API-key fingerprint or "" without auth). Answered once
+    every change it made is journalled and fsynced; a refusal's data is {"error", "status",
+    "param"}."""
+    op: str
+    owner: str = ""
+    args: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -292,9 +303,9 @@ def _tuplify(x):
 
 _SIMPLE = {b"abort": Abort, b"heartbeat": Heartbeat, b"health": HealthCheck,
            b"model_info": ModelInfoQuery, b"stats": StatsQuery, b"rate_limit": RateLimitCheck,
-           b"reply": ControlReply}
+           b"reply": ControlReply, b"store": StoreRequest}
 _KIND_OF = {cls: kind for kind, cls in _SIMPLE.items()}
-CONTROL_REQUESTS = (HealthCheck, ModelInfoQuery, StatsQuery, RateLimitCheck)
+CONTROL_REQUESTS = (HealthCheck, ModelInfoQuery, StatsQuery, RateLimitCheck, StoreRequest)
 
 
 def kind(msg) -> str:
