@@ -110,7 +110,7 @@ def test_stream_with_reasoning_and_a_function_call_equals_the_final_object(clien
     reasoning, call = final.output
     built = _reassemble(events)
     assert set(built["items"]) == {reasoning.id, call.id}
-    assert built["texts"][reasoning.id] == reasoning.content[0].text == "I need the tool.\n"
+    assert built["texts"][reasoning.id] == reasoning.content[0].text == "I need the tool."
     assert json.loads(built["args"][call.id]) == json.loads(call.arguments) == WEATHER_ARGS
     assert call.name == "get_weather" and call.call_id.startswith("call_")
     assert built["items"][call.id].model_dump() == call.model_dump()
