@@ -37,6 +37,7 @@ from pathlib import Path
 import orjson
 import zmq
 
+from metrale import levers
 from metrale import store as stored
 from metrale import wire
 from metrale.engine_core import EngineCore, RequestOutput
@@ -102,9 +103,11 @@ class EngineServer:
                             wire.StatsQuery: self._stats, wire.RateLimitCheck: self._rate_limit,
                             wire.StoreRequest: self._store_request}
         # stored responses and conversations: a view of the journal (metrale.store)
-        self.store, _ = stored.load(journal.dir if journal else None,
-                                    core.config.store_max_items, core.config.store_ttl)
+        self.store, loaded = stored.load(journal.dir if journal else None,
+                                         core.config.store_max_items, core.config.store_ttl)
+        self._snapshot_seq = loaded["snapshot_seq"]     # recovery reads the journal after it
         self._snapshot: stored.SnapshotWriter | None = None
+        self._snapshot_every = levers.get("METRALE_STORE_SNAPSHOT_EVERY")
         self._last_sweep = 0.0
         self._bind()
 
@@ -164,7 +167,8 @@ class EngineServer:
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
         if self.journal:
-            abort_unfinished(self.journal, self.emit)   # what a killed predecessor left open
+            abort_unfinished(self.journal, self.emit,    # what a killed predecessor left open
+                             self._snapshot_seq + 1, self.store.open_requests)
         self.emit("ModelLoaded", model=self.model_info.name, model_type=self.model_info.model_type)
         while self.running:
             busy = self.core.has_unfinished()
@@ -441,10 +445,10 @@ class EngineServer:
                 self.journal.sync()
         if self.journal is None:
             return
-        if self._snapshot is None and self.store.events_since_snapshot >= stored.SNAPSHOT_EVERY:
+        if self._snapshot is None and self.store.events_since_snapshot >= self._snapshot_every:
             self.journal.flush()
             self._snapshot = stored.SnapshotWriter(self.store, self.journal.dir,
-                                                   self.journal.next_seq - 1)
+                                                   self.journal.next_seq - 1, list(self.live))
         if self._snapshot is not None and self._snapshot.step():
             self._snapshot = None
 

@@ -30,6 +30,7 @@ journal segments after it (`metrale.events.read_events(from_seq)` skips the olde
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -48,7 +49,6 @@ STORE_EVENTS = ("ResponseStored", "ResponseDeleted", "ConversationCreated",
                 "ConversationDeleted", "StoreEvicted")
 SNAPSHOT_FILE = "store-snapshot.jsonl"
 SNAPSHOT_VERSION = 1
-SNAPSHOT_EVERY = 20000          # store events since the last snapshot that start a new one
 SNAPSHOT_STEP_S = 0.002         # a snapshot writes this long per engine loop iteration
 TTL_SWEEP_S = 1.0
 MAX_PAGE = 100
@@ -84,6 +84,7 @@ class Store:
         self.num_evicted = 0
         self.seq = 0                              # the last store event applied
         self.events_since_snapshot = 0
+        self.open_requests: list[str] = []        # engine requests open at the snapshot's seq
         self._ops = {
             "response.put": self._put_response, "response.get": self._get_response,
             "response.delete": self._delete_response, "response.cancel": self._cancel,
@@ -386,9 +387,12 @@ def page(items: list[dict], args: dict) -> dict:
 class SnapshotWriter:
     """Writes one snapshot a chunk at a time (`step`), then fsyncs and renames it into place."""
 
-    def __init__(self, store: Store, directory: Path, seq: int | None = None):
+    def __init__(self, store: Store, directory: Path, seq: int | None = None,
+                 open_requests=()):
         """`seq`: the last journalled event the store has applied (default: its last store
-        event); a restart replays the journal after it."""
+        event); a restart replays the journal after it. `open_requests`: the engine requests
+        in flight at `seq` (the restart's metrale.recovery then reads only the journal after
+        it too)."""
         self.path = Path(directory) / SNAPSHOT_FILE
         self.tmp = self.path.with_name(f".{SNAPSHOT_FILE}.{os.getpid()}")
         self.seq = store.seq if seq is None else seq
@@ -397,7 +401,8 @@ class SnapshotWriter:
         self.next = 0
         self.file = open(self.tmp, "wb")
         self.file.write(orjson.dumps({"version": SNAPSHOT_VERSION, "seq": self.seq,
-                                      "count": len(self.records)}) + b"\n")
+                                      "count": len(self.records),
+                                      "open_requests": list(open_requests)}) + b"\n")
 
     def step(self, budget_s: float = SNAPSHOT_STEP_S) -> bool:
         """Write for about `budget_s`; True once the snapshot is complete and in place."""
@@ -450,6 +455,7 @@ def read_snapshot(directory: Path, store: Store) -> int:
         store.__init__(store.max_items, store.ttl_s)
         return 0
     store.seq = int(head["seq"])
+    store.open_requests = list(head.get("open_requests") or ())
     return store.seq
 
 
@@ -461,13 +467,21 @@ def load(directory: str | os.PathLike | None, max_items: int = 0,
     store = Store(max_items, ttl_s)
     if directory is None:
         return store, {"snapshot_seq": 0, "replayed": 0, "seconds": 0.0}
-    start = read_snapshot(Path(directory), store)
-    replayed = 0
-    for event in read_events(directory, start + 1):
-        if event["type"] in STORE_EVENTS:
-            store.apply(event)
-            replayed += 1
+    # millions of new dicts: the cyclic GC would rescan the growing heap again and again (it
+    # took most of a load's time); afterwards they are frozen out of later collections too
+    gc.disable()
+    try:
+        start = read_snapshot(Path(directory), store)
+        replayed = 0
+        for event in read_events(directory, start + 1):
+            if event["type"] in STORE_EVENTS:
+                store.apply(event)
+                replayed += 1
+    finally:
+        gc.enable()
+    gc.freeze()
     store.events_since_snapshot = replayed
+    store.seq = max(store.seq, start)
     stats = {"snapshot_seq": start, "replayed": replayed, "objects": len(store.order),
              "seconds": round(time.monotonic() - t0, 3)}
     if start or replayed:

@@ -41,7 +41,8 @@ def _writer(client, conv_id, acked, stop, n):
 def test_kill_9_under_load_loses_no_acknowledged_write(tmp_path):
     model = make_tiny_chat_model(tmp_path / "tiny-llama")
     srv = Server(["serve", str(model), "--frontends", "2", "--max-seq-len", "512",
-                  "--event-log", str(tmp_path / "events")], tmp_path / "serve.log")
+                  "--event-log", str(tmp_path / "events")], tmp_path / "serve.log",
+                 env={"METRALE_STORE_SNAPSHOT_EVERY": "10"})   # snapshots during the load
     with srv.serving(180, workers=2):
         client = _client(srv)
         conv = client.conversations.create(metadata={"k": "v"})
@@ -80,6 +81,11 @@ def test_kill_9_under_load_loses_no_acknowledged_write(tmp_path):
         # either all there or absent)
         assert all(t.startswith("w") and " item " in t for t in items.values())
         assert client.conversations.retrieve(conv.id).metadata == {"k": "v"}
+    assert (tmp_path / "events" / stored.SNAPSHOT_FILE).is_file()
+    # the restarted engine journalled the requests the killed one left open, once each
+    aborted = [e["request_id"] for e in read_events(tmp_path / "events")
+               if e.get("cause") == "engine_restart"]
+    assert len(aborted) == len(set(aborted))
 
 
 def test_retention_evicts_the_oldest_and_ttl_expires(tmp_path):
@@ -162,3 +168,21 @@ def test_a_torn_or_foreign_snapshot_falls_back_to_the_whole_journal(tmp_path):
     loaded, stats = stored.load(tmp_path)
     assert stats["snapshot_seq"] == 0 and stats["replayed"] == 20
     assert loaded.responses == live.responses
+
+
+def test_recovery_after_a_snapshot_reads_the_tail_only(tmp_path):
+    from metrale.recovery import abort_unfinished
+
+    journal = Journal(tmp_path)
+    for rid in ("a", "b"):
+        journal.append("RequestAdmitted", request_id=rid)
+    journal.append("RequestFinished", request_id="a")
+    seq = journal.next_seq - 1                  # a snapshot here: "b" open
+    journal.append("RequestAdmitted", request_id="c")
+    journal.append("RequestAdmitted", request_id="d")
+    journal.append("RequestAborted", request_id="c")
+    emitted = []
+    ids = abort_unfinished(journal, lambda kind, **f: emitted.append(f["request_id"]),
+                           seq + 1, ["b"])
+    assert ids == emitted == ["b", "d"]
+    journal.close()
