@@ -156,7 +156,7 @@ class OutputBuilder:
             part = item["content"][0]
             done = "response.output_text.done" if kind == "message" else \
                 "response.reasoning_text.done"
-            extra = {"logprobs": []} if kind == "message" else {}
+            extra = {"logprobs": _copy(part["logprobs"])} if kind == "message" else {}
             out += [self.event(done, **at, content_index=0, text=part["text"], **extra),
                     self.event("response.content_part.done", **at, content_index=0,
                                part=_copy(part))]
@@ -200,6 +200,7 @@ class _Run:
         self.engine_id = self.id.split("_", 1)[1]       # engine request ids: f"{engine_id}-0"
         self.builder = OutputBuilder(r.custom_tools, rs.ENCRYPTED in r.include)
         self.context_len = context_len
+        self.logprobs = rs.LOGPROBS in r.include or r.top_logprobs is not None
 
     def response(self, status: str, **extra) -> dict:
         r = self.r
@@ -229,6 +230,20 @@ class _Run:
                            conversation_items=self.r.input_items + response["output"],
                            request_ids=[f"{self.engine_id}-0"])
         return data["response"]
+
+    def _attach_logprobs(self, out: list[dict], tokens) -> None:
+        """The tokens of a piece of output, on its text delta and its output_text part (the
+        tokens of a piece that held reasoning too are all given to the text)."""
+        deltas = [e for e in out if e["type"] == "response.output_text.delta"]
+        if not deltas or not tokens:
+            return
+        text = self.worker.tokenizer.decode
+        lps = [schema.chat_logprob(text([t.token_id]), t.logprob,
+                                   [(text([i]), lp) for i, lp in t.top])
+               for t in tokens if t.logprob is not None]
+        deltas[-1]["logprobs"] = lps
+        item = next(i for i in self.builder.output if i["id"] == deltas[-1]["item_id"])
+        item["content"][0]["logprobs"] += _copy(lps)
 
     def _usage(self, done: ChoiceDone) -> dict:
         reasoning = "".join(i["content"][0]["text"] for i in self.builder.output
@@ -274,7 +289,10 @@ class _Run:
                 yield {**b.event("response.failed", response=await self.save(failed)),
                        "_error": event}
                 return
-            for e in b.feed(event.events or ()):
+            out = b.feed(event.events or ())
+            if self.logprobs:
+                self._attach_logprobs(out, event.tokens)
+            for e in out:
                 yield e
             if isinstance(event, ChoiceDone):
                 break
@@ -303,6 +321,7 @@ class Responses(Resource):
             raise errors.engine_unavailable(str(e))
         if r.background:
             return await self._background(resp, run)
+
         gen = Generation(self.worker.client, self.tokenizer, specs,
                          req.scope.get("metrale.disconnected"), request_id=run.engine_id)
         events = gen.events()
@@ -364,20 +383,29 @@ class Responses(Resource):
                 messages = _drop_oldest(messages)
 
     async def _background(self, resp, run: _Run) -> None:
+        """Stored as "queued", answered at once (or streamed: the stream follows the run, and
+        the run goes on when the client leaves)."""
         queued = await run.save(run.response("queued"))
-        task = asyncio.get_running_loop().create_task(self._finish_background(run))
+        follow = asyncio.Queue() if run.r.stream else None
+        task = asyncio.get_running_loop().create_task(self._finish_background(run, follow))
         _BACKGROUND.add(task)
         task.add_done_callback(_BACKGROUND.discard)
-        json_response(resp, queued)
+        if follow is None:
+            json_response(resp, queued)
+            return
+        resp.content_type = "text/event-stream"
+        resp.set_header("Cache-Control", "no-cache")
+        resp.stream = _followed(follow)
 
-    async def _finish_background(self, run: _Run) -> None:
+    async def _finish_background(self, run: _Run, follow: asyncio.Queue | None) -> None:
         gen = Generation(self.worker.client, self.tokenizer, run.specs, None,
                          request_id=run.engine_id)
         events = gen.events()
         try:
             first = await events.__anext__()
-            async for _ in run.events(first, events):
-                pass
+            async for event in run.events(first, events):
+                if follow is not None:
+                    follow.put_nowait(event)
         except Exception:       # noqa: BLE001 - logged; the stored record says "failed"
             log.exception("background response %s failed", run.id)
             try:
@@ -388,6 +416,14 @@ class Responses(Resource):
                 log.exception("could not store the failure of %s", run.id)
         finally:
             await events.aclose()
+            if follow is not None:
+                follow.put_nowait(None)
+
+
+async def _followed(follow: asyncio.Queue):
+    """A background run's events as SSE, until its end (None)."""
+    while (event := await follow.get()) is not None:
+        yield _sse_bytes(event)
 
 
 def _drop_oldest(messages: list[dict]) -> list[dict]:
@@ -414,11 +450,15 @@ async def _first(worker: Worker, events):
     return first
 
 
+def _sse_bytes(event: dict) -> bytes:
+    event = {k: v for k, v in event.items() if k != "_error"}
+    return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+
+
 async def _sse(flow, events, builder: OutputBuilder):
     try:
         async for event in flow:
-            event.pop("_error", None)
-            yield b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+            yield _sse_bytes(event)
     except (ConnectionAbortedError, StopAsyncIteration):
         pass
     except APIError as e:          # the store refused or the engine went away at the end

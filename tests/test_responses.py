@@ -253,3 +253,25 @@ def test_stored_counts_on_metrics(client, server):
     with httpx.Client(timeout=30) as http:
         text = http.get(server.url + "/metrics").text
     assert "metrale_stored_conversations" in text
+
+
+def test_background_stream_follows_the_run_and_the_result_is_stored(client):
+    events = list(client.responses.create(model=MODEL, input="say hello", background=True,
+                                          stream=True))
+    assert events[-1].type == "response.completed"
+    final = events[-1].response
+    assert final.background is True and final.output_text == "Hello there, friend."
+    assert client.responses.retrieve(final.id).model_dump() == final.model_dump()
+
+
+def test_output_text_logprobs_on_request(client):
+    r = client.responses.create(model=MODEL, input="say hello", top_logprobs=2,
+                                include=["message.output_text.logprobs"])
+    part = r.output[0].content[0]
+    assert "".join(lp.token for lp in part.logprobs) == r.output_text
+    assert all(len(lp.top_logprobs) == 2 for lp in part.logprobs)
+    events = list(client.responses.create(model=MODEL, input="say hello", stream=True,
+                                          include=["message.output_text.logprobs"]))
+    deltas = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [lp.token for lp in deltas] == [lp.token for lp in done.logprobs] != []
