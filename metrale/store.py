@@ -73,12 +73,48 @@ def _missing(kind: str, oid) -> StoreError:
                            "created with another API key)", "id")
 
 
+class StoredResponse:
+    """A stored response, kept as its JSON (a third of the memory of the dicts, and a snapshot
+    loads it without parsing it) with the few fields the store reads."""
+    __slots__ = ("id", "owner", "status", "background", "previous_id", "request_ids",
+                 "response_json", "items_json")
+
+    def __init__(self, owner: str, response: dict, input_items: list, request_ids=()):
+        self.id, self.owner, self.request_ids = response["id"], owner, list(request_ids)
+        self.status, self.background = response.get("status"), bool(response.get("background"))
+        self.previous_id = response.get("previous_response_id")
+        self.response_json, self.items_json = orjson.dumps(response), orjson.dumps(input_items)
+
+    def response(self) -> dict:
+        return orjson.loads(self.response_json)
+
+    def input_items(self) -> list[dict]:
+        return orjson.loads(self.items_json)
+
+    def meta(self) -> dict:
+        return {"owner": self.owner, "request_ids": self.request_ids}
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, StoredResponse) and all(
+            getattr(self, k) == getattr(other, k) for k in self.__slots__)
+
+    @classmethod
+    def from_snapshot(cls, meta: dict, response_json: bytes, items_json: bytes):
+        rec = cls.__new__(cls)
+        rec.id, rec.owner, rec.request_ids = meta["id"], meta["owner"], meta.get("request_ids", [])
+        rec.status = meta.get("status")
+        rec.background = meta.get("background", False)
+        rec.previous_id = meta.get("previous_id")
+        rec.response_json, rec.items_json = response_json, items_json
+        return rec
+
+
 class Store:
     def __init__(self, max_items: int = 0, ttl_s: float = 0.0):
         self.max_items = max_items
         self.ttl_s = ttl_s
-        self.responses: dict[str, dict] = {}      # id -> {response, input_items, owner, ...}
-        self.conversations: dict[str, dict] = {}  # id -> {conversation, items: {id: item}, owner}
+        self.responses: dict[str, StoredResponse] = {}
+        self.conversations: dict[str, dict] = {}  # id -> {conversation, items: {id: JSON}, owner}
         self.order: OrderedDict[tuple[str, str], float] = OrderedDict()   # oldest write first
         self.num_items = 0                        # conversation items, all conversations
         self.num_evicted = 0
@@ -113,8 +149,8 @@ class Store:
 
     def _on_ResponseStored(self, e: dict) -> None:
         rid = e["response"]["id"]
-        self.responses[rid] = {"response": e["response"], "input_items": e["input_items"],
-                               "owner": e["owner"], "request_ids": e.get("request_ids", [])}
+        self.responses[rid] = StoredResponse(e["owner"], e["response"], e["input_items"],
+                                             e.get("request_ids", ()))
         self._touch(("r", rid), e["ts"])
 
     def _on_ResponseDeleted(self, e: dict) -> None:
@@ -123,7 +159,7 @@ class Store:
 
     def _on_ConversationCreated(self, e: dict) -> None:
         cid = e["conversation"]["id"]
-        items = {i["id"]: i for i in e["items"]}
+        items = {i["id"]: orjson.dumps(i) for i in e["items"]}
         self.conversations[cid] = {"conversation": e["conversation"], "items": items,
                                    "owner": e["owner"]}
         self.num_items += len(items)
@@ -135,7 +171,7 @@ class Store:
             return
         for item in e["items"]:
             self.num_items += item["id"] not in conv["items"]
-            conv["items"][item["id"]] = item
+            conv["items"][item["id"]] = orjson.dumps(item)
         self._touch(("c", e["conversation_id"]), e["ts"])
 
     def _on_ConversationUpdated(self, e: dict) -> None:
@@ -177,7 +213,7 @@ class Store:
 
     def _response(self, owner: str, rid) -> dict:
         rec = self.responses.get(rid) if isinstance(rid, str) else None
-        if rec is None or rec["owner"] != owner:
+        if rec is None or rec.owner != owner:
             raise _missing("response", rid)
         return rec
 
@@ -196,9 +232,8 @@ class Store:
         if cid is not None:
             self._conversation(owner, cid)
         old = self.responses.get(response["id"])
-        if old is not None and old["owner"] == owner and \
-                old["response"].get("status") == "cancelled":
-            return {"response": old["response"], "kept": True}
+        if old is not None and old.owner == owner and old.status == "cancelled":
+            return {"response": old.response(), "kept": True}
         if args.get("store", True):
             commit("ResponseStored", {"response": response, "owner": owner,
                                       "input_items": args.get("input_items", []),
@@ -210,7 +245,7 @@ class Store:
         return {"response": response}
 
     def _get_response(self, owner: str, args: dict, commit: Commit) -> dict:
-        return {"response": self._response(owner, args.get("id"))["response"]}
+        return {"response": self._response(owner, args.get("id")).response()}
 
     def _delete_response(self, owner: str, args: dict, commit: Commit) -> dict:
         rid = args.get("id")
@@ -223,20 +258,20 @@ class Store:
         requests are in the answer, for the engine to abort); a finished one is answered as
         it is."""
         rec = self._response(owner, args.get("id"))
-        response = rec["response"]
-        if not response.get("background"):
+        response = rec.response()
+        if not rec.background:
             raise StoreError(400, "only a background response can be cancelled (this one was "
                                   "created without background: true)", "response_id")
-        if response.get("status") in TERMINAL:
+        if rec.status in TERMINAL:
             return {"response": response, "abort": []}
         cancelled = {**response, "status": "cancelled"}
         commit("ResponseStored", {"response": cancelled, "owner": owner,
-                                  "input_items": rec["input_items"], "request_ids": []})
-        return {"response": cancelled, "abort": rec["request_ids"]}
+                                  "input_items": rec.input_items(), "request_ids": []})
+        return {"response": cancelled, "abort": rec.request_ids}
 
     def _input_items(self, owner: str, args: dict, commit: Commit) -> dict:
         rec = self._response(owner, args.get("id"))
-        return page(rec["input_items"], args)
+        return page(rec.input_items(), args)
 
     def _context(self, owner: str, args: dict, commit: Commit) -> dict:
         """The items a follow-up of response `id` continues from: every response of the chain,
@@ -248,14 +283,14 @@ class Store:
         while rec is not None and rid not in seen:
             seen.add(rid)
             chain.append(rec)
-            rid = rec["response"].get("previous_response_id")
+            rid = rec.previous_id
             rec = self.responses.get(rid) if rid else None
-            if rec is not None and rec["owner"] != owner:
+            if rec is not None and rec.owner != owner:
                 rec = None
         items = []
         for rec in reversed(chain):
-            items += rec["input_items"]
-            items += rec["response"].get("output", [])
+            items += rec.input_items()
+            items += rec.response().get("output", [])
         return {"items": items}
 
     def _create_conversation(self, owner: str, args: dict, commit: Commit) -> dict:
@@ -285,8 +320,8 @@ class Store:
     def _list_items(self, owner: str, args: dict, commit: Commit) -> dict:
         conv = self._conversation(owner, args.get("id"))
         if args.get("all"):
-            return {"items": list(conv["items"].values())}
-        return page(list(conv["items"].values()), args)
+            return {"items": [orjson.loads(i) for i in conv["items"].values()]}
+        return page(list(conv["items"]), args, lambda i: orjson.loads(conv["items"][i]))
 
     def _append_items(self, owner: str, args: dict, commit: Commit) -> dict:
         cid = args.get("id")
@@ -296,14 +331,16 @@ class Store:
             raise StoreError(400, f"item id {taken[0]!r} is already in conversation {cid}",
                              "items")
         commit("ConversationAppended", {"conversation_id": cid, "items": args["items"]})
-        return page(args["items"], {"limit": MAX_PAGE * 100, "order": "asc"})
+        return page([i["id"] for i in args["items"]], {"limit": len(args["items"]),
+                                                       "order": "asc"},
+                    {i["id"]: i for i in args["items"]}.get)
 
     def _get_item(self, owner: str, args: dict, commit: Commit) -> dict:
         conv = self._conversation(owner, args.get("id"))
         item = conv["items"].get(args.get("item_id"))
         if item is None:
             raise _missing("item", args.get("item_id"))
-        return {"item": item}
+        return {"item": orjson.loads(item)}
 
     def _delete_item(self, owner: str, args: dict, commit: Commit) -> dict:
         cid, item_id = args.get("id"), args.get("item_id")
@@ -335,52 +372,69 @@ class Store:
         return self.num_evicted - before
 
     # -- snapshots --------------------------------------------------------------------------
-    def snapshot_records(self) -> list[dict]:
-        """The view as records for a snapshot, frozen now (what is written later is this
-        state: records are replaced, never changed in place; conversation items are copied)."""
+    def snapshot_records(self) -> list:
+        """The view for a snapshot, frozen now (what is written later is this state: stored
+        responses are replaced, never changed in place; conversation items are copied)."""
         out = []
         for (kind, oid), ts in self.order.items():
             if kind == "r":
-                out.append({"r": self.responses[oid], "ts": ts})
+                out.append((ts, self.responses[oid]))
             else:
                 conv = self.conversations[oid]
-                out.append({"c": {**conv, "items": list(conv["items"].values())}, "ts": ts})
+                out.append((ts, {**conv, "items": list(conv["items"].items())}))
         return out
 
-    def load_record(self, line: dict) -> None:
-        if "r" in line:
-            rec = line["r"]
-            rid = rec["response"]["id"]
-            self.responses[rid] = rec
-            self.order[("r", rid)] = line["ts"]
+    def load_line(self, line: bytes) -> None:
+        """One object line of a snapshot (`snapshot_line`)."""
+        kind, meta, *blobs = line.split(b"\t")
+        meta = orjson.loads(meta)
+        if kind == b"R":
+            self.responses[meta["id"]] = StoredResponse.from_snapshot(meta, *blobs)
+            self.order[("r", meta["id"])] = meta["ts"]
         else:
-            conv = line["c"]
-            items = {i["id"]: i for i in conv["items"]}
-            cid = conv["conversation"]["id"]
-            self.conversations[cid] = {**conv, "items": items}
+            items = dict(zip(meta["item_ids"], blobs))
+            self.conversations[meta["id"]] = {"conversation": meta["conversation"],
+                                              "items": items, "owner": meta["owner"]}
             self.num_items += len(items)
-            self.order[("c", cid)] = line["ts"]
+            self.order[("c", meta["id"])] = meta["ts"]
 
     def counts(self) -> dict:
         return {"responses": len(self.responses), "conversations": len(self.conversations),
                 "conversation_items": self.num_items, "evicted": self.num_evicted}
 
 
-def page(items: list[dict], args: dict) -> dict:
-    """OpenAI's list shape over `items` (oldest first): order asc | desc (default desc),
-    `after` an item id (exclusive), `limit` 1..100 (default 20)."""
+def page(items: list, args: dict, load=None) -> dict:
+    """OpenAI's list shape over `items` (oldest first; item dicts, or ids that `load` turns
+    into them, so only a page is parsed): order asc | desc (default desc), `after` an item id
+    (exclusive), `limit` 1..100 (default 20)."""
     order = args.get("order") or "desc"
     limit = args.get("limit") or 20
     seq = items if order == "asc" else items[::-1]
+    ids = seq if load is not None else [i.get("id") for i in seq]
     after = args.get("after")
+    start = 0
     if after is not None:
-        ids = [i.get("id") for i in seq]
         if after not in ids:
             raise StoreError(400, f"'after' names no item of this list: {after!r:.80}", "after")
-        seq = seq[ids.index(after) + 1:]
-    data = seq[:limit]
+        start = ids.index(after) + 1
+    data = seq[start:start + limit]
+    if load is not None:
+        data = [load(i) for i in data]
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": len(seq) > limit}
+            "last_id": data[-1]["id"] if data else None, "has_more": len(seq) > start + limit}
+
+
+def snapshot_line(ts: float, obj) -> bytes:
+    """R meta \t response JSON \t input items JSON, or C meta \t item JSON ... (orjson never
+    writes a raw tab: the JSON documents are kept whole, unparsed, by a load)."""
+    if isinstance(obj, StoredResponse):
+        meta = {"id": obj.id, "ts": ts,
+                "status": obj.status, "background": obj.background,
+                "previous_id": obj.previous_id, **obj.meta()}
+        return b"\t".join((b"R", orjson.dumps(meta), obj.response_json, obj.items_json))
+    meta = {"id": obj["conversation"]["id"], "ts": ts, "conversation": obj["conversation"],
+            "owner": obj["owner"], "item_ids": [i for i, _ in obj["items"]]}
+    return b"\t".join((b"C", orjson.dumps(meta), *(blob for _, blob in obj["items"])))
 
 
 # -- snapshots on disk --------------------------------------------------------------------------
@@ -409,7 +463,7 @@ class SnapshotWriter:
         deadline = time.monotonic() + budget_s
         while self.next < len(self.records):
             chunk = self.records[self.next:self.next + 256]
-            self.file.write(b"".join(orjson.dumps(r) + b"\n" for r in chunk))
+            self.file.write(b"".join(snapshot_line(*r) + b"\n" for r in chunk))
             self.next += len(chunk)
             if time.monotonic() > deadline:
                 return False
@@ -449,7 +503,7 @@ def read_snapshot(directory: Path, store: Store) -> int:
                 or end.get("count") != head.get("count") or len(lines) != head["count"] + 2:
             raise ValueError("header, end line and record count disagree")
         for line in lines[1:-1]:
-            store.load_record(orjson.loads(line))
+            store.load_line(line)
     except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
         log.error("store: ignoring the snapshot %s (%s); replaying the whole journal", path, e)
         store.__init__(store.max_items, store.ttl_s)
