@@ -204,6 +204,14 @@ def test_background_and_cancel(client, server):
     ({"input": "x", "background": True, "store": False}, "background"),
     ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x", "reasoning": {"effort": ["high"]}}, "reasoning.effort"),
+    ({"input": [{"type": "reasoning", "encrypted_content": "bm90IG91cnM="}]}, "input"),
+    ({"input": [{"type": "function_call", "call_id": 1, "name": "f"}]}, "input[0]"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0]"),
+    ({"input": "x", "conversation": ["c"]}, "conversation"),
+    ({"input": "x", "conversation": "conv_1", "previous_response_id": "resp_1"},
+     "previous_response_id"),
+    ({"input": "x", "tool_choice": {"type": "mcp"}}, "tool_choice"),
 ])
 def test_bad_requests_are_400_in_openai_shape(server, body, param):
     r = requests.post(server.url + "/v1/responses", json={"model": MODEL, **body}, timeout=30)

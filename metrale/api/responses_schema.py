@@ -170,7 +170,7 @@ def _reasoning(body: dict, req: ResponsesRequest) -> None:
     if reasoning is None:
         return
     effort = reasoning.get("effort")
-    if effort is not None and effort not in REASONING_BUDGETS:
+    if effort is not None and (not isinstance(effort, str) or effort not in REASONING_BUDGETS):
         raise invalid(f"'reasoning.effort' must be one of {', '.join(REASONING_BUDGETS)}, got "
                       f"{effort!r:.40}", "reasoning.effort")
     req.reasoning = {"effort": effort, "summary": reasoning.get("summary")}
@@ -320,10 +320,13 @@ def _check_item(item: dict, where: str) -> None:
 
 
 def _text_of(parts) -> str:
+    """The text of a content value: a string, or the text parts of a list (others: none)."""
     if isinstance(parts, str):
         return parts
-    return "".join(p.get("text", p.get("refusal", "")) for p in parts or ()
-                   if isinstance(p, dict))
+    if not isinstance(parts, list):
+        return ""
+    texts = (p.get("text", p.get("refusal", "")) for p in parts if isinstance(p, dict))
+    return "".join(t for t in texts if isinstance(t, str))
 
 
 def reasoning_text(item: dict) -> str:
@@ -331,6 +334,8 @@ def reasoning_text(item: dict) -> str:
     if not text and isinstance(item.get("encrypted_content"), str):
         try:
             text = json.loads(base64.b64decode(item["encrypted_content"]))["text"]
+            if not isinstance(text, str):
+                raise TypeError(text)
         except (ValueError, KeyError, TypeError):
             raise invalid("a reasoning item's encrypted_content is not one this server made",
                           "input") from None
