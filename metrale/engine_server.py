@@ -169,6 +169,9 @@ class EngineServer:
         if self.journal:
             abort_unfinished(self.journal, self.emit,    # what a killed predecessor left open
                              self._snapshot_seq + 1, self.store.open_requests)
+            if self.store.fail_running(self._store_commit, why="the engine restarted while "
+                                       "this background response was being made; retry it"):
+                self.journal.sync()
         self.emit("ModelLoaded", model=self.model_info.name, model_type=self.model_info.model_type)
         while self.running:
             busy = self.core.has_unfinished()
@@ -307,9 +310,13 @@ class EngineServer:
             return
         for f in dead:
             del self.frontends[f]
-        for rid, live in list(self.live.items()):
-            if live.frontend_id in dead:
-                self._abort(rid, "frontend_gone")
+        gone = [rid for rid, live in self.live.items() if live.frontend_id in dead]
+        for rid in gone:
+            self._abort(rid, "frontend_gone")
+        if gone and self.store.fail_running(self._store_commit, gone, "the frontend making "
+                                            "this background response went away; retry it"):
+            if self.journal:
+                self.journal.sync()
 
     # -- publishing -------------------------------------------------------------------------
     def _publish(self, outputs: list[RequestOutput], reason: str | None = None) -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import mmap
 import os
 import time
 from collections import OrderedDict
@@ -48,7 +49,7 @@ STORE_EVENTS = ("ResponseStored", "ResponseDeleted", "ConversationCreated",
                 "ConversationAppended", "ConversationUpdated", "ConversationItemDeleted",
                 "ConversationDeleted", "StoreEvicted")
 SNAPSHOT_FILE = "store-snapshot.jsonl"
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2
 SNAPSHOT_STEP_S = 0.002         # a snapshot writes this long per engine loop iteration
 TTL_SWEEP_S = 1.0
 MAX_PAGE = 100
@@ -121,6 +122,10 @@ class Store:
         self.seq = 0                              # the last store event applied
         self.events_since_snapshot = 0
         self.open_requests: list[str] = []        # engine requests open at the snapshot's seq
+        self.running: set[str] = set()            # background responses not yet finished
+        # objects of the snapshot are read from it when first used (responses[id] holds the
+        # line's offset, conversations[id] (offset, number of items) until then)
+        self._mm: mmap.mmap | None = None
         self._ops = {
             "response.put": self._put_response, "response.get": self._get_response,
             "response.delete": self._delete_response, "response.cancel": self._cancel,
@@ -149,12 +154,41 @@ class Store:
 
     def _on_ResponseStored(self, e: dict) -> None:
         rid = e["response"]["id"]
-        self.responses[rid] = StoredResponse(e["owner"], e["response"], e["input_items"],
-                                             e.get("request_ids", ()))
+        rec = self.responses[rid] = StoredResponse(e["owner"], e["response"], e["input_items"],
+                                                   e.get("request_ids", ()))
+        self._mark(rec)
         self._touch(("r", rid), e["ts"])
+
+    def record(self, rid: str) -> StoredResponse | None:
+        """The stored response `rid` (read from the snapshot on first use)."""
+        rec = self.responses.get(rid)
+        if type(rec) is int:
+            kind, meta, *blobs = self._line(rec).split(b"\t")
+            rec = self.responses[rid] = StoredResponse.from_snapshot(orjson.loads(meta), *blobs)
+        return rec
+
+    def _conv(self, cid: str) -> dict | None:
+        conv = self.conversations.get(cid)
+        if type(conv) is tuple:
+            kind, meta, *blobs = self._line(conv[0]).split(b"\t")
+            meta = orjson.loads(meta)
+            conv = self.conversations[cid] = {"conversation": meta["conversation"],
+                                              "items": dict(zip(meta["item_ids"], blobs)),
+                                              "owner": meta["owner"]}
+        return conv
+
+    def _line(self, offset: int) -> bytes:
+        return self._mm[offset:self._mm.find(b"\n", offset)]
+
+    def _mark(self, rec: StoredResponse) -> None:
+        if rec.background and rec.status not in TERMINAL:
+            self.running.add(rec.id)
+        else:
+            self.running.discard(rec.id)
 
     def _on_ResponseDeleted(self, e: dict) -> None:
         self.responses.pop(e["id"], None)
+        self.running.discard(e["id"])
         self.order.pop(("r", e["id"]), None)
 
     def _on_ConversationCreated(self, e: dict) -> None:
@@ -166,7 +200,7 @@ class Store:
         self._touch(("c", cid), e["ts"])
 
     def _on_ConversationAppended(self, e: dict) -> None:
-        conv = self.conversations.get(e["conversation_id"])
+        conv = self._conv(e["conversation_id"])
         if conv is None:
             return
         for item in e["items"]:
@@ -175,20 +209,20 @@ class Store:
         self._touch(("c", e["conversation_id"]), e["ts"])
 
     def _on_ConversationUpdated(self, e: dict) -> None:
-        conv = self.conversations.get(e["conversation_id"])
+        conv = self._conv(e["conversation_id"])
         if conv is not None:
             conv["conversation"] = {**conv["conversation"], "metadata": e["metadata"]}
             self._touch(("c", e["conversation_id"]), e["ts"])
 
     def _on_ConversationItemDeleted(self, e: dict) -> None:
-        conv = self.conversations.get(e["conversation_id"])
+        conv = self._conv(e["conversation_id"])
         if conv is not None and conv["items"].pop(e["item_id"], None) is not None:
             self.num_items -= 1
 
     def _on_ConversationDeleted(self, e: dict) -> None:
         conv = self.conversations.pop(e["id"], None)
         if conv is not None:
-            self.num_items -= len(conv["items"])
+            self.num_items -= conv[1] if type(conv) is tuple else len(conv["items"])
         self.order.pop(("c", e["id"]), None)
 
     def _on_StoreEvicted(self, e: dict) -> None:
@@ -212,13 +246,13 @@ class Store:
         return handler(owner, args, commit)
 
     def _response(self, owner: str, rid) -> dict:
-        rec = self.responses.get(rid) if isinstance(rid, str) else None
+        rec = self.record(rid) if isinstance(rid, str) else None
         if rec is None or rec.owner != owner:
             raise _missing("response", rid)
         return rec
 
     def _conversation(self, owner: str, cid) -> dict:
-        conv = self.conversations.get(cid) if isinstance(cid, str) else None
+        conv = self._conv(cid) if isinstance(cid, str) else None
         if conv is None or conv["owner"] != owner:
             raise _missing("conversation", cid)
         return conv
@@ -231,7 +265,7 @@ class Store:
         cid = args.get("conversation_id")
         if cid is not None:
             self._conversation(owner, cid)
-        old = self.responses.get(response["id"])
+        old = self.record(response["id"])
         if old is not None and old.owner == owner and old.status == "cancelled":
             return {"response": old.response(), "kept": True}
         if args.get("store", True):
@@ -284,7 +318,7 @@ class Store:
             seen.add(rid)
             chain.append(rec)
             rid = rec.previous_id
-            rec = self.responses.get(rid) if rid else None
+            rec = self.record(rid) if rid else None
             if rec is not None and rec.owner != owner:
                 rec = None
         items = []
@@ -349,6 +383,18 @@ class Store:
         commit("ConversationItemDeleted", {"conversation_id": cid, "item_id": item_id})
         return {"conversation": self.conversations[cid]["conversation"]}
 
+    def fail_running(self, commit: Commit, request_ids=None, why: str = "") -> int:
+        """Background responses whose generation is gone (every one at an engine start, or
+        those of `request_ids`: their frontend died) are stored as failed; how many."""
+        gone = [self.record(r) for r in sorted(self.running) if request_ids is None
+                or set(self.record(r).request_ids) & set(request_ids)]
+        for rec in gone:
+            response = {**rec.response(), "status": "failed", "error": {
+                "code": "server_error", "message": why or "the response's generation ended"}}
+            commit("ResponseStored", {"response": response, "owner": rec.owner,
+                                      "input_items": rec.input_items(), "request_ids": []})
+        return len(gone)
+
     # -- retention --------------------------------------------------------------------------
     def _retain(self, commit: Commit) -> None:
         if self.max_items and len(self.order) > self.max_items:
@@ -372,31 +418,39 @@ class Store:
         return self.num_evicted - before
 
     # -- snapshots --------------------------------------------------------------------------
-    def snapshot_records(self) -> list:
-        """The view for a snapshot, frozen now (what is written later is this state: stored
-        responses are replaced, never changed in place; conversation items are copied)."""
+    def snapshot_records(self) -> list[tuple]:
+        """The view for a snapshot, frozen now, as (ts, kind, id, object, index extra): what is
+        written later is this state (stored responses are replaced, never changed in place;
+        conversation items are copied; an object not read from the last snapshot is its line
+        there). The extra is 1 for a running background response, a conversation's item
+        count."""
         out = []
         for (kind, oid), ts in self.order.items():
             if kind == "r":
-                out.append((ts, self.responses[oid]))
+                rec = self.responses[oid]
+                obj = self._line(rec) if type(rec) is int else rec
+                out.append((ts, kind, oid, obj, int(oid in self.running)))
+                continue
+            conv = self.conversations[oid]
+            if type(conv) is tuple:
+                out.append((ts, kind, oid, self._line(conv[0]), conv[1]))
             else:
-                conv = self.conversations[oid]
-                out.append((ts, {**conv, "items": list(conv["items"].items())}))
+                out.append((ts, kind, oid, {**conv, "items": list(conv["items"].items())},
+                            len(conv["items"])))
         return out
 
-    def load_line(self, line: bytes) -> None:
-        """One object line of a snapshot (`snapshot_line`)."""
-        kind, meta, *blobs = line.split(b"\t")
-        meta = orjson.loads(meta)
-        if kind == b"R":
-            self.responses[meta["id"]] = StoredResponse.from_snapshot(meta, *blobs)
-            self.order[("r", meta["id"])] = meta["ts"]
-        else:
-            items = dict(zip(meta["item_ids"], blobs))
-            self.conversations[meta["id"]] = {"conversation": meta["conversation"],
-                                              "items": items, "owner": meta["owner"]}
-            self.num_items += len(items)
-            self.order[("c", meta["id"])] = meta["ts"]
+    def load_index(self, mm: mmap.mmap, index: list) -> None:
+        """A snapshot's index: every object known, none read yet (see `record`)."""
+        self._mm = mm
+        for kind, oid, ts, offset, extra in index:
+            if kind == "r":
+                self.responses[oid] = offset
+                if extra:
+                    self.running.add(oid)
+            else:
+                self.conversations[oid] = (offset, extra)
+                self.num_items += extra
+            self.order[(kind, oid)] = ts
 
     def counts(self) -> dict:
         return {"responses": len(self.responses), "conversations": len(self.conversations),
@@ -427,6 +481,8 @@ def page(items: list, args: dict, load=None) -> dict:
 def snapshot_line(ts: float, obj) -> bytes:
     """R meta \t response JSON \t input items JSON, or C meta \t item JSON ... (orjson never
     writes a raw tab: the JSON documents are kept whole, unparsed, by a load)."""
+    if isinstance(obj, bytes):
+        return obj                       # as the last snapshot had it
     if isinstance(obj, StoredResponse):
         meta = {"id": obj.id, "ts": ts,
                 "status": obj.status, "background": obj.background,
@@ -453,21 +509,30 @@ class SnapshotWriter:
         store.events_since_snapshot = 0
         self.records = store.snapshot_records()
         self.next = 0
+        self.index: list[list] = []
         self.file = open(self.tmp, "wb")
-        self.file.write(orjson.dumps({"version": SNAPSHOT_VERSION, "seq": self.seq,
-                                      "count": len(self.records),
-                                      "open_requests": list(open_requests)}) + b"\n")
+        head = orjson.dumps({"version": SNAPSHOT_VERSION, "seq": self.seq,
+                             "count": len(self.records),
+                             "open_requests": list(open_requests)}) + b"\n"
+        self.file.write(head)
+        self.offset = len(head)
 
     def step(self, budget_s: float = SNAPSHOT_STEP_S) -> bool:
         """Write for about `budget_s`; True once the snapshot is complete and in place."""
         deadline = time.monotonic() + budget_s
         while self.next < len(self.records):
-            chunk = self.records[self.next:self.next + 256]
-            self.file.write(b"".join(snapshot_line(*r) + b"\n" for r in chunk))
-            self.next += len(chunk)
+            lines = []
+            for ts, kind, oid, obj, extra in self.records[self.next:self.next + 256]:
+                lines.append(snapshot_line(ts, obj) + b"\n")
+                self.index.append([kind, oid, ts, self.offset, extra])
+                self.offset += len(lines[-1])
+            self.file.write(b"".join(lines))
+            self.next += len(lines)
             if time.monotonic() > deadline:
                 return False
-        self.file.write(orjson.dumps({"end": True, "count": len(self.records)}) + b"\n")
+        self.file.write(b"I" + orjson.dumps(self.index) + b"\n")
+        self.file.write(orjson.dumps({"end": True, "count": len(self.records),
+                                      "index_offset": self.offset}) + b"\n")
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()
@@ -497,14 +562,19 @@ def read_snapshot(directory: Path, store: Store) -> int:
         return 0
     try:
         with open(path, "rb") as f:
-            lines = f.read().splitlines()
-        head, end = orjson.loads(lines[0]), orjson.loads(lines[-1])
-        if head.get("version") != SNAPSHOT_VERSION or not end.get("end") \
-                or end.get("count") != head.get("count") or len(lines) != head["count"] + 2:
-            raise ValueError("header, end line and record count disagree")
-        for line in lines[1:-1]:
-            store.load_line(line)
-    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        head = orjson.loads(mm[:mm.find(b"\n")])
+        last = mm.rfind(b"\n", 0, len(mm) - 1)
+        end = orjson.loads(mm[last + 1:])
+        start = end.get("index_offset", 0) if isinstance(end, dict) else 0
+        if head.get("version") != SNAPSHOT_VERSION or end.get("end") is not True \
+                or mm[start:start + 1] != b"I":
+            raise ValueError("not a complete snapshot of this version")
+        index = orjson.loads(mm[start + 1:last])
+        if len(index) != head["count"] or end["count"] != head["count"]:
+            raise ValueError("header, index and end line disagree on the count")
+        store.load_index(mm, index)
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
         log.error("store: ignoring the snapshot %s (%s); replaying the whole journal", path, e)
         store.__init__(store.max_items, store.ttl_s)
         return 0

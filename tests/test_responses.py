@@ -30,6 +30,7 @@ SCRIPTS = [
     {"when": "remember zork", "reply": "ok"},
     # only fires when the first turn's answer is in the prompt: the chain carried it
     {"when": "ok<|im_end|>", "reply": "your word was zork"},
+    {"when": "Let me weigh it.\n</think>", "reply": "I remember my reasoning."},
     {"when": "count to many", "reply": "one two three four five six seven eight nine ten " * 8},
 ]
 TOOLS = [{"type": "function", "name": "get_weather", "description": "weather of a city",
@@ -283,3 +284,19 @@ def test_output_text_logprobs_on_request(client):
     deltas = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
     done = next(e for e in events if e.type == "response.output_text.done")
     assert [lp.token for lp in deltas] == [lp.token for lp in done.logprobs] != []
+
+
+def test_stateless_reasoning_round_trip_with_encrypted_content(client):
+    first = client.responses.create(model=MODEL, input="think first", store=False,
+                                    include=["reasoning.encrypted_content"])
+    reasoning = first.output[0]
+    assert reasoning.type == "reasoning" and reasoning.encrypted_content
+    # the client sends the output back (content dropped: only the opaque copy), and the model
+    # sees its earlier reasoning in the prompt
+    back = [{"type": "reasoning", "id": reasoning.id, "summary": [],
+             "encrypted_content": reasoning.encrypted_content},
+            {"type": "message", "role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "and now?"}]
+    second = client.responses.create(model=MODEL, input=[{"role": "user", "content": "think first"},
+                                                         *back], store=False)
+    assert second.output_text == "I remember my reasoning."

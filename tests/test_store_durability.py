@@ -55,6 +55,9 @@ def test_kill_9_under_load_loses_no_acknowledged_write(tmp_path):
         deadline = time.monotonic() + 60
         while len(acked["responses"]) < 8 and time.monotonic() < deadline:
             time.sleep(0.1)
+        running = client.responses.create(model="tiny-llama", input="long", background=True,
+                                          max_output_tokens=400,
+                                          extra_body={"ignore_eos": True})
         engine = next(p for p in srv.children() if "metrale.engine_process" in cmdline(p))
         os.kill(engine, signal.SIGKILL)
         killed_with = len(acked["responses"])
@@ -81,6 +84,8 @@ def test_kill_9_under_load_loses_no_acknowledged_write(tmp_path):
         # either all there or absent)
         assert all(t.startswith("w") and " item " in t for t in items.values())
         assert client.conversations.retrieve(conv.id).metadata == {"k": "v"}
+        # a background response the killed engine was making ends as failed, not queued forever
+        assert client.responses.retrieve(running.id).status == "failed"
     assert (tmp_path / "events" / stored.SNAPSHOT_FILE).is_file()
     # the restarted engine journalled the requests the killed one left open, once each
     aborted = [e["request_id"] for e in read_events(tmp_path / "events")
@@ -134,6 +139,12 @@ def test_a_restart_reads_the_snapshot_and_the_tail_only(tmp_path):
     for i in range(300):
         _put(live, commit, i)
         journal.append("TokensEmitted", flush=False, counts={"x": 1})   # other history
+    live.execute("conversation.create", "", {"conversation": {"id": "conv_0"}, "items": [
+        {"id": f"msg_c{i}", "type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": f"c{i}"}]} for i in range(3)]}, commit)
+    live.execute("response.put", "", {"response": {"id": "resp_bg", "status": "queued",
+                                                   "background": True, "output": []},
+                                      "input_items": []}, commit)
     journal.flush()
     writer = stored.SnapshotWriter(live, tmp_path, journal.next_seq - 1)
     while not writer.step(0.0001):
@@ -149,8 +160,17 @@ def test_a_restart_reads_the_snapshot_and_the_tail_only(tmp_path):
     first.write_bytes(b"\0" * first.stat().st_size)
     loaded, stats = stored.load(tmp_path)
     assert stats["snapshot_seq"] == writer.seq and stats["replayed"] == 12
-    assert loaded.responses == live.responses and loaded.order == live.order
-    assert set(loaded.conversations) == {"conv_1"} and "resp_5" not in loaded.responses
+    assert loaded.order == live.order and set(loaded.responses) == set(live.responses)
+    assert all(loaded.record(r) == live.responses[r] for r in live.responses)
+    assert set(loaded.conversations) == {"conv_0", "conv_1"} and "resp_5" not in loaded.responses
+    listed = loaded.execute("conversation.items", "", {"id": "conv_0", "order": "asc"}, None)
+    assert [i["content"][0]["text"] for i in listed["data"]] == ["c0", "c1", "c2"]
+    assert loaded.counts()["conversation_items"] == 3 and loaded.running == {"resp_bg"}
+    # a later snapshot copies the objects never read since the load, unchanged
+    again = stored.SnapshotWriter(loaded, tmp_path)
+    assert again.step(10)
+    reloaded, _ = stored.load(tmp_path)
+    assert all(reloaded.record(r) == live.responses[r] for r in live.responses)
 
 
 def test_a_torn_or_foreign_snapshot_falls_back_to_the_whole_journal(tmp_path):
@@ -167,7 +187,7 @@ def test_a_torn_or_foreign_snapshot_falls_back_to_the_whole_journal(tmp_path):
     path.write_bytes(path.read_bytes()[:-30])           # cut short: no end line
     loaded, stats = stored.load(tmp_path)
     assert stats["snapshot_seq"] == 0 and stats["replayed"] == 20
-    assert loaded.responses == live.responses
+    assert loaded.responses == live.responses       # all replayed: none left to read lazily
 
 
 def test_recovery_after_a_snapshot_reads_the_tail_only(tmp_path):
