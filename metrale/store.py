@@ -422,18 +422,16 @@ class Store:
         """The view for a snapshot, frozen now, as (ts, kind, id, object, index extra): what is
         written later is this state (stored responses are replaced, never changed in place;
         conversation items are copied; an object not read from the last snapshot is its line
-        there). The extra is 1 for a running background response, a conversation's item
-        count."""
+        there, by offset: copied when written, never all at once). The extra is 1 for a
+        running background response, a conversation's item count."""
         out = []
         for (kind, oid), ts in self.order.items():
             if kind == "r":
-                rec = self.responses[oid]
-                obj = self._line(rec) if type(rec) is int else rec
-                out.append((ts, kind, oid, obj, int(oid in self.running)))
+                out.append((ts, kind, oid, self.responses[oid], int(oid in self.running)))
                 continue
             conv = self.conversations[oid]
             if type(conv) is tuple:
-                out.append((ts, kind, oid, self._line(conv[0]), conv[1]))
+                out.append((ts, kind, oid, conv[0], conv[1]))
             else:
                 out.append((ts, kind, oid, {**conv, "items": list(conv["items"].items())},
                             len(conv["items"])))
@@ -478,11 +476,11 @@ def page(items: list, args: dict, load=None) -> dict:
             "last_id": data[-1]["id"] if data else None, "has_more": len(seq) > start + limit}
 
 
-def snapshot_line(ts: float, obj) -> bytes:
+def snapshot_line(ts: float, obj, line_of=None) -> bytes:
     """R meta \t response JSON \t input items JSON, or C meta \t item JSON ... (orjson never
     writes a raw tab: the JSON documents are kept whole, unparsed, by a load)."""
-    if isinstance(obj, bytes):
-        return obj                       # as the last snapshot had it
+    if type(obj) is int:
+        return line_of(obj)              # as the last snapshot had it
     if isinstance(obj, StoredResponse):
         meta = {"id": obj.id, "ts": ts,
                 "status": obj.status, "background": obj.background,
@@ -508,6 +506,7 @@ class SnapshotWriter:
         self.seq = store.seq if seq is None else seq
         store.events_since_snapshot = 0
         self.records = store.snapshot_records()
+        self.line_of = store._line
         self.next = 0
         self.index: list[list] = []
         self.file = open(self.tmp, "wb")
@@ -523,7 +522,7 @@ class SnapshotWriter:
         while self.next < len(self.records):
             lines = []
             for ts, kind, oid, obj, extra in self.records[self.next:self.next + 256]:
-                lines.append(snapshot_line(ts, obj) + b"\n")
+                lines.append(snapshot_line(ts, obj, self.line_of) + b"\n")
                 self.index.append([kind, oid, ts, self.offset, extra])
                 self.offset += len(lines[-1])
             self.file.write(b"".join(lines))
