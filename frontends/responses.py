@@ -364,7 +364,9 @@ class Responses(Resource):
         """The engine submissions of the request; with truncation "auto" the oldest context
         messages are dropped until the prompt fits."""
         head = [{"role": "system", "content": r.instructions}] if r.instructions else []
-        messages = rs.items_to_messages(context + r.input_items)
+        messages = rs.merge_system(head + rs.items_to_messages(context + r.input_items))
+        head = messages[:1] if messages and messages[0]["role"] == "system" else []
+        messages = messages[len(head):]         # what truncation may drop
         while True:
             try:
                 chat = schema.parse_chat_request(rs.chat_body(r, head + messages))

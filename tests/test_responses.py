@@ -54,8 +54,9 @@ def client(server):
 
 
 def test_create_retrieve_input_items_delete(client, server):
-    r = client.responses.create(model=MODEL, input="say hello", instructions="be brief",
-                                metadata={"k": "v"})
+    r = client.responses.create(model=MODEL, instructions="be brief", metadata={"k": "v"},
+                                input=[{"role": "developer", "content": "and kind"},
+                                       {"role": "user", "content": "say hello"}])
     assert r.status == "completed" and r.object == "response"
     assert r.output_text == "Hello there, friend."
     [msg] = r.output
@@ -65,8 +66,8 @@ def test_create_retrieve_input_items_delete(client, server):
     got = client.responses.retrieve(r.id)
     assert got.model_dump() == r.model_dump()
     items = client.responses.input_items.list(r.id)
-    assert [i.type for i in items.data] == ["message"]
-    assert items.data[0].content[0].text == "say hello"
+    assert [i.type for i in items.data] == ["message", "message"]     # newest first
+    assert items.data[0].content[0].text == "say hello" and items.data[1].role == "developer"
     assert items.first_id == items.data[0].id and items.has_more is False
     client.responses.delete(r.id)
     with pytest.raises(openai.NotFoundError) as e:
@@ -213,6 +214,7 @@ def test_background_and_cancel(client, server):
     ({"input": "x", "conversation": "conv_1", "previous_response_id": "resp_1"},
      "previous_response_id"),
     ({"input": "x", "tool_choice": {"type": "mcp"}}, "tool_choice"),
+    ({"input": []}, "input"),
 ])
 def test_bad_requests_are_400_in_openai_shape(server, body, param):
     r = requests.post(server.url + "/v1/responses", json={"model": MODEL, **body}, timeout=30)

@@ -381,6 +381,18 @@ def items_to_messages(items: list[dict]) -> list[dict]:
     return messages
 
 
+def merge_system(messages: list[dict]) -> list[dict]:
+    """The leading system messages (instructions, system and developer items) as one: chat
+    templates take a single system message, at the start."""
+    lead = 0
+    while lead < len(messages) and messages[lead]["role"] == "system":
+        lead += 1
+    if lead <= 1:
+        return messages
+    text = "\n\n".join(m["content"] for m in messages[:lead] if m["content"])
+    return [{"role": "system", "content": text}] + messages[lead:]
+
+
 def _assistant_turn(messages: list[dict]) -> dict:
     if messages and messages[-1]["role"] == "assistant":
         return messages[-1]
