@@ -250,7 +250,8 @@ class GenerateRoute(Resource):
         if greq.stream:
             resp.content_type = "text/event-stream"
             resp.set_header("Cache-Control", "no-cache")
-            resp.stream = self._stream(greq, specs, prompts, fmt, first, events, on_done)
+            extra = {"on_done": on_done} if on_done is not None else {}  # (anthropic's _stream)
+            resp.stream = self._stream(greq, specs, prompts, fmt, first, events, **extra)
             return
         try:
             result = await self._collect(specs, first, events)
