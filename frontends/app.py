@@ -46,7 +46,7 @@ import uuid
 import falcon
 import falcon.asgi
 
-from frontends import anthropic, library, limits
+from frontends import anthropic, library, limits, responses
 from frontends.openapi import OpenAPI
 from frontends.routes import add_routes
 from frontends.worker import FrontendSettings, Worker, write_error
@@ -197,6 +197,7 @@ def create_app(settings: FrontendSettings):
     add_routes(app, worker)
     anthropic.add_routes(app, worker)
     library.add_routes(app, worker)
+    responses.add_routes(app, worker)
     app.add_route("/openapi.json", OpenAPI(worker))
     return AccessLog(limits.InputLimits(DisconnectWatch(app), settings.max_body_bytes,
                                         settings.max_header_bytes, settings.body_timeout_s,

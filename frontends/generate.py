@@ -222,8 +222,9 @@ _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort", "timeou
 
 class Generation:
     def __init__(self, client: AsyncEngineClient, tokenizer: Tokenizer, specs: list[ChoiceSpec],
-                 disconnected: asyncio.Event | None = None):
+                 disconnected: asyncio.Event | None = None, request_id: str | None = None):
         self.client = client
+        self.request_id = request_id or uuid.uuid4().hex   # engine ids: f"{request_id}-{index}"
         self.tokenizer = tokenizer
         self.specs = specs
         self.disconnected = disconnected or asyncio.Event()
@@ -273,7 +274,7 @@ class Generation:
 
     async def _run(self, spec: ChoiceSpec) -> None:
         choice = _Choice(spec, self.tokenizer)
-        request_id = f"{uuid.uuid4().hex}-{spec.index}"
+        request_id = f"{self.request_id}-{spec.index}"
         stream = self.client.generate(request_id, spec.prompt_ids, spec.params)
         try:
             async for delta in stream:

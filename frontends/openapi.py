@@ -271,6 +271,54 @@ LOAD_MODEL_REQUEST = {"type": "object", "properties": {
     "wait": {"type": "boolean"}, "timeout": {"type": "number", "exclusiveMinimum": 0,
                                              "maximum": 3600}},
     "additionalProperties": False, "description": "exactly one of recipe or model"}
+def _responses_paths(gated: list, max_seq_len: int | None) -> dict:
+    """/v1/responses and /v1/conversations (frontends.responses, frontends.responses_store):
+    the fields the server reads; the OpenAI API reference has the full shapes."""
+    obj = {"type": "object"}
+    text_or_items = {"anyOf": [{"type": "string"}, {"type": "array", "items": obj}]}
+    create = {"type": "object", "required": ["input"], "properties": {
+        "model": {"type": "string"}, "input": text_or_items, "instructions": {"type": "string"},
+        "tools": {"type": "array", "items": obj}, "stream": {"type": "boolean"},
+        "max_output_tokens": {"type": "integer", "minimum": 1,
+                              **({"maximum": max_seq_len} if max_seq_len else {})},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+        "store": {"type": "boolean"}, "background": {"type": "boolean"},
+        "previous_response_id": {"type": "string"}, "conversation": {"type": "string"},
+        "truncation": {"enum": ["auto", "disabled"]}, "metadata": obj,
+        "reasoning": obj, "text": obj, "include": {"type": "array",
+                                                    "items": {"type": "string"}}}}
+    items = {"type": "object", "properties": {"items": {"type": "array", "items": obj},
+                                              "metadata": obj}}
+
+    def op(summary, body=None):
+        out = {"summary": summary, "security": gated, "responses": _responses(obj)}
+        if body is not None:
+            out["requestBody"] = {"required": True, "content": {JSON: {"schema": body}}}
+        return out
+
+    rid = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    cid = [{"name": "conversation_id", "in": "path", "required": True,
+            "schema": {"type": "string"}}]
+    iid = cid + [{"name": "item_id", "in": "path", "required": True,
+                  "schema": {"type": "string"}}]
+    return {
+        "/v1/responses": {"post": op("OpenAI Responses (SSE when stream: true)", create)},
+        "/v1/responses/{response_id}": {"parameters": rid, "get": op("a stored response"),
+                                        "delete": op("delete a stored response")},
+        "/v1/responses/{response_id}/input_items": {"parameters": rid,
+                                                    "get": op("its input items (a page)")},
+        "/v1/responses/{response_id}/cancel": {"parameters": rid,
+                                               "post": op("cancel a background response")},
+        "/v1/conversations": {"post": op("create a conversation", items)},
+        "/v1/conversations/{conversation_id}": {
+            "parameters": cid, "get": op("a conversation"),
+            "post": op("update its metadata", items), "delete": op("delete it")},
+        "/v1/conversations/{conversation_id}/items": {
+            "parameters": cid, "get": op("its items (a page)"),
+            "post": op("append items", items)},
+        "/v1/conversations/{conversation_id}/items/{item_id}": {
+            "parameters": iid, "get": op("one item"), "delete": op("delete one item")},
+    }
 
 
 def spec(model: str | None = None, max_seq_len: int | None = None, require_auth: bool = False,
@@ -319,6 +367,7 @@ def spec(model: str | None = None, max_seq_len: int | None = None, require_auth:
                                            "the HF cache's models, memory (the Library page)",
                                 "security": gated, "responses": _responses({"type": "object"})}},
         "/v1/models/load": {"post": _load_model(gated)},
+        **_responses_paths(gated, max_seq_len),
     }
     schemas = {"ChatCompletionRequest": _chat_request(max_seq_len, max_messages),
                "CompletionRequest": _completion_request(max_seq_len),

@@ -16,7 +16,8 @@ from frontends.worker import Worker, read_json
 from metrale.api import errors
 from metrale.api import openai_schema as schema
 from metrale.api.errors import APIError
-from metrale.api.tool_parsers import PARSERS, ToolChoice, default_tool_parser
+from metrale.api.reasoning_parser import ReasoningDelta
+from metrale.api.tool_parsers import PARSERS, ToolChoice, collect, default_tool_parser
 from metrale.chat import ChatTemplateError, normalize_messages
 from metrale.client import EngineUnavailable
 from metrale.grammar import (GrammarError, ToolGrammarPlan, grammar_for_response_format,
@@ -267,10 +268,22 @@ def _check_num_choices(info: dict, num: int) -> None:
                              "n")
 
 
+def answer_of(events) -> dict:
+    """A choice's parsed events as the assistant message they make (content,
+    reasoning_content, tool_calls)."""
+    reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
+    content, calls = collect(e for e in events if not isinstance(e, ReasoningDelta))
+    return {"content": content or None, "reasoning_content": reasoning or None,
+            "tool_calls": [schema.tool_call(c.id, c.name, c.arguments_json) for c in calls]}
+
+
 class GenerateRoute(Resource):
     """What chat and completions share: run the specs, answer in JSON or SSE."""
 
-    async def _run(self, req, resp, greq, specs: list[ChoiceSpec], prompts, fmt) -> None:
+    async def _run(self, req, resp, greq, specs: list[ChoiceSpec], prompts, fmt,
+                   on_done=None) -> None:
+        """`on_done(answer)`: awaited with choice 0's assistant message (`answer_of`) before
+        the response or the stream's end leaves (a conversation_id appends its turn)."""
         budget = sum(len(s.prompt_ids) + s.params.max_tokens for s in specs)
         try:
             await self.worker.rate_limit(req, resp, budget)
@@ -292,7 +305,8 @@ class GenerateRoute(Resource):
         if greq.stream:
             resp.content_type = "text/event-stream"
             resp.set_header("Cache-Control", "no-cache")
-            resp.stream = self._stream(greq, specs, prompts, fmt, first, events)
+            extra = {"on_done": on_done} if on_done is not None else {}  # (anthropic's _stream)
+            resp.stream = self._stream(greq, specs, prompts, fmt, first, events, **extra)
             return
         try:
             result = await self._collect(specs, first, events)
@@ -300,6 +314,8 @@ class GenerateRoute(Resource):
             return
         finally:
             await events.aclose()
+        if on_done is not None:
+            await on_done(answer_of(result[0][3]))
         json_response(resp, fmt.response(result, self._usage(specs, result)))
 
     async def _collect(self, specs, first, events) -> dict:
@@ -336,8 +352,9 @@ class GenerateRoute(Resource):
                 cached += d.num_cached_tokens
         return schema.usage(prompt, completion, cached)
 
-    async def _stream(self, greq, specs, prompts, fmt, first, events):
+    async def _stream(self, greq, specs, prompts, fmt, first, events, on_done=None):
         done: dict[int, ChoiceDone] = {}
+        answer = []                      # choice 0's parsed events, for on_done
         try:
             for chunk in fmt.start_chunks(specs):
                 yield sse(chunk)
@@ -348,11 +365,18 @@ class GenerateRoute(Resource):
                     break
                 if isinstance(event, ChoiceDone):
                     done[event.index] = event
+                if on_done is not None and event.index == 0:
+                    answer.extend(event.events or ())
                 for chunk in fmt.chunks(event):
                     yield sse(chunk)
                 if len(done) == len(specs):
                     if greq.include_usage:
                         yield sse(fmt.usage_chunk(self._usage(specs, done)))
+                    if on_done is not None:
+                        try:
+                            await on_done(answer_of(answer))
+                        except APIError as e:
+                            yield sse(e.body())
                     break
                 event = await events.__anext__()
             yield DONE

@@ -51,6 +51,7 @@ from frontends.generate import ChoiceDone, TokenInfo
 from frontends.request_plumbing import (GenerateRoute, Resource, check_ids, choice_specs,
                                         encode_prompt, json_response, prepare_chat,
                                         render_chat)
+from frontends.responses_store import ChatConversation
 from frontends.worker import PROBE_TIMEOUT_S, Worker
 from metrale import wire
 from metrale.api import errors
@@ -282,9 +283,12 @@ class CompletionFormat(_Format):
 
 class ChatCompletions(GenerateRoute):
     async def on_post(self, req, resp):
-        chat = await self._parsed(req, schema.parse_chat_request)
+        body: dict = {}
+        chat = await self._parsed(req, lambda b: _kept(schema.parse_chat_request(b), b, body))
+        conv = await ChatConversation.of(self.worker, req, body)   # conversation_id
+        messages = conv.messages(chat.messages) if conv else chat.messages
         p = await asyncio.to_thread(
-            prepare_chat, self.worker, chat.messages, tools=chat.tools, choice=chat.tool_choice,
+            prepare_chat, self.worker, messages, tools=chat.tools, choice=chat.tool_choice,
             parallel=chat.parallel_tool_calls, kwargs=chat.chat_template_kwargs,
             thinking_budget=chat.thinking_budget,
             add_generation_prompt=chat.add_generation_prompt,
@@ -292,7 +296,14 @@ class ChatCompletions(GenerateRoute):
             response_format=chat.response_format)
         specs = choice_specs(self.worker, chat, [p.ids], "messages", p.max_tokens_cap, p.plan,
                        p.sampling)
-        await self._run(req, resp, chat, specs, [p.ids], ChatFormat(self.worker, chat, [p.ids]))
+        await self._run(req, resp, chat, specs, [p.ids], ChatFormat(self.worker, chat, [p.ids]),
+                        conv.append if conv else None)
+
+
+def _kept(parsed, raw: dict, into: dict):
+    """`parsed`, with the raw body kept in `into` (for the extensions read beside it)."""
+    into.update(raw)
+    return parsed
 
 
 class Completions(GenerateRoute):

@@ -81,6 +81,11 @@ ENGINE_FLAGS = {
     "--tbt-deadline-ms": ("tbt_deadline_ms", float, "SLAI decode deadline"),
     "--request-timeout": ("request_timeout", float, "per-request seconds; 0 disables"),
     "--swap-space-gb": ("swap_space_gb", float, "disk-backed KV swap"),
+    "--store-max-items": ("store_max_items", int, "stored responses + conversations kept "
+                          "(/v1/responses, /v1/conversations); past it the oldest are evicted "
+                          "(0 = no limit)"),
+    "--store-ttl": ("store_ttl", float, "seconds a stored response or conversation is kept "
+                    "after its last write (0 = forever)"),
     "--default-min-p": ("default_min_p", float, "min_p of requests that set none and whose "
                         "model's generation_config.json sets none (0 disables)"),
     "--default-top-n-sigma": ("default_top_n_sigma", float, "top_n_sigma (keep logits >= max - "

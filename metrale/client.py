@@ -66,6 +66,14 @@ class ControlError(ValueError):
         self.data = data
 
 
+class StoreRefused(Exception):
+    """The engine's store refused a request (metrale.store.StoreError across the wire)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
 class _HeartbeatThread(threading.Thread):
     """Sends this frontend's heartbeat every wire.HEARTBEAT_INTERVAL_S on a socket of its own: the
     engine hears it whatever the event loop is doing."""
@@ -260,6 +268,25 @@ class AsyncEngineClient:
         """One control round trip (`request`: one of wire.CONTROL_REQUESTS) -> the reply's data;
         EngineUnavailable when the engine does not answer within `timeout_s` (default:
         control_timeout_s), ValueError with the engine's message when it refused."""
+        reply = await self._round_trip(request, timeout_s)
+        if not reply.ok:
+            raise ControlError(reply.data.get("error", f"control {wire.kind(request)!r} failed"),
+                               reply.data)
+        return reply.data
+
+    async def store(self, op: str, owner: str = "", timeout_s: float | None = None,
+                    **args) -> dict:
+        """A stored-responses / conversations operation (wire.StoreRequest) -> its data, once
+        the engine has journalled it; StoreRefused with the status the API answers (404 for
+        an unknown id, 400) when the store refused it."""
+        reply = await self._round_trip(wire.StoreRequest(op, owner, args), timeout_s)
+        if not reply.ok:
+            data = reply.data
+            raise StoreRefused(int(data.get("status") or 500),
+                               str(data.get("error", f"store {op!r} failed")), data.get("param"))
+        return reply.data
+
+    async def _round_trip(self, request, timeout_s: float | None) -> wire.ControlReply:
         op = wire.kind(request)
         timeout_s = self.control_timeout_s if timeout_s is None else timeout_s
         async with self._control_lock:
@@ -274,7 +301,4 @@ class AsyncEngineClient:
                 self._dealer = None
                 raise EngineUnavailable(f"the engine did not answer {op!r} within "
                                         f"{timeout_s:g}s")
-            reply = wire.decode(await self._dealer.recv_multipart())
-        if not reply.ok:
-            raise ControlError(reply.data.get("error", f"control {op!r} failed"), reply.data)
-        return reply.data
+            return wire.decode(await self._dealer.recv_multipart())

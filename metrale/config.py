@@ -79,6 +79,9 @@ class EngineConfig:
     prompt_lookup_miss_backoff: int = 16
     prompt_lookup_max_seqs: int = 8
     dflash: bool = False                  # refused: see _validate_speculation
+    # stored responses and conversations (metrale.store): retention
+    store_max_items: int = 0              # objects kept; the oldest evicted past it (0 = no limit)
+    store_ttl: float = 0.0                # seconds after an object's last write (0 = forever)
 
     def validate(self) -> "EngineConfig":
         positive = ("max_seq_len", "max_batch_size", "max_num_seqs", "max_prefill_tokens",
@@ -108,6 +111,8 @@ class EngineConfig:
             raise ConfigError("--swap-space-gb must be >= 0 (0 disables swapping)")
         if self.request_timeout < 0:
             raise ConfigError("--request-timeout must be >= 0 (0 disables)")
+        if self.store_max_items < 0 or self.store_ttl < 0:
+            raise ConfigError("--store-max-items and --store-ttl must be >= 0 (0 = no limit)")
         self._validate_sampling()
         self._validate_speculation()
         if self.max_batch_size > self.max_num_seqs:

@@ -10,6 +10,7 @@ It owns the EngineCore, the event journal, the Prometheus registry and the rate-
     PUB     output   StepOutput per step, topic = frontend id
     ROUTER  control  HealthCheck, ModelInfoQuery, StatsQuery (Prometheus text), RateLimitCheck,
                      LoadModel (a hot swap, metrale.swap), LibraryQuery
+                     StoreRequest (stored responses and conversations: metrale.store)
     PUB     events   every journal event, topic = event type
 
 Each socket's messages are dispatched by type through a table (`_on_submitted`, `_on_control`).
@@ -37,6 +38,8 @@ from pathlib import Path
 import orjson
 import zmq
 
+from metrale import levers
+from metrale import store as stored
 from metrale import wire
 from metrale.engine_core import EngineCore, RequestOutput
 from metrale.events import ADDRESSES_FILE, Journal
@@ -102,7 +105,15 @@ class EngineServer:
                               wire.Heartbeat: self._heartbeat}
         self._on_control = {wire.HealthCheck: self._health, wire.ModelInfoQuery: self._model_info,
                             wire.StatsQuery: self._stats, wire.RateLimitCheck: self._rate_limit,
-                            wire.LoadModel: self._load_model, wire.LibraryQuery: self._library}
+                            wire.LoadModel: self._load_model, wire.LibraryQuery: self._library,
+                            wire.StoreRequest: self._store_request}
+        # stored responses and conversations: a view of the journal (metrale.store)
+        self.store, loaded = stored.load(journal.dir if journal else None,
+                                         core.config.store_max_items, core.config.store_ttl)
+        self._snapshot_seq = loaded["snapshot_seq"]     # recovery reads the journal after it
+        self._snapshot: stored.SnapshotWriter | None = None
+        self._snapshot_every = levers.get("METRALE_STORE_SNAPSHOT_EVERY")
+        self._last_sweep = 0.0
         self._bind()
 
     # -- sockets ----------------------------------------------------------------------------
@@ -132,6 +143,8 @@ class EngineServer:
         tmp.replace(path)
 
     def close(self) -> None:
+        if self._snapshot is not None:
+            self._snapshot.abandon()
         if self.core is not None:
             self.core.close()
         for s in (self.pull, self.out, self.control, self.events):
@@ -141,13 +154,14 @@ class EngineServer:
             self.journal.close()
 
     # -- events -----------------------------------------------------------------------------
-    def emit(self, event_type: str, **fields) -> None:
+    def emit(self, event_type: str, **fields) -> dict:
         """Journal the event (buffered); it is published by the next `_commit_events`."""
         if self.journal:
             event = self.journal.append(event_type, flush=False, **fields)
         else:
             event = {"seq": 0, "type": event_type, "ts": time.time(), **fields}
         self._uncommitted.append(event)
+        return event
 
     def _commit_events(self) -> None:
         """Flush the journal, then publish what is now on disk."""
@@ -160,7 +174,11 @@ class EngineServer:
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
         if self.journal:
-            abort_unfinished(self.journal, self.emit)   # what a killed predecessor left open
+            abort_unfinished(self.journal, self.emit,    # what a killed predecessor left open
+                             self._snapshot_seq + 1, self.store.open_requests)
+            if self.store.fail_running(self._store_commit, why="the engine restarted while "
+                                       "this background response was being made; retry it"):
+                self.journal.sync()
         self.emit("ModelLoaded", model=self.model_info.name, model_type=self.model_info.model_type,
                   recipe=self.model_info.recipe, load_id=self.model_info.load_id,
                   spec=spec_record(self.spec) if self.spec is not None else None)
@@ -176,6 +194,7 @@ class EngineServer:
                 self._step()
             if not self._busy():
                 self._flush()            # no next step to overlap with
+            self._store_upkeep()
             self._commit_events()
             self.swap.tick()             # a swap that has drained loads here (metrale.swap)
         self._flush()
@@ -315,9 +334,13 @@ class EngineServer:
             return
         for f in dead:
             del self.frontends[f]
-        for rid, live in list(self.live.items()):
-            if live.frontend_id in dead:
-                self._abort(rid, "frontend_gone")
+        gone = [rid for rid, live in self.live.items() if live.frontend_id in dead]
+        for rid in gone:
+            self._abort(rid, "frontend_gone")
+        if gone and self.store.fail_running(self._store_commit, gone, "the frontend making "
+                                            "this background response went away; retry it"):
+            if self.journal:
+                self.journal.sync()
 
     # -- publishing -------------------------------------------------------------------------
     def _publish(self, outputs: list[RequestOutput], reason: str | None = None) -> None:
@@ -433,12 +456,50 @@ class EngineServer:
     def _stats(self, msg: wire.StatsQuery) -> wire.ControlReply:
         if self.core is not None:
             self.metrics.set_gauges(self.core)
+        self.metrics.set_store(self.store.counts())
         return wire.ControlReply(True, {"prometheus": self.metrics.render(),
                                         "running": len(self.live),
                                         "rate_limit_keys": self.ratelimit.num_keys})
 
     def _rate_limit(self, msg: wire.RateLimitCheck) -> wire.ControlReply:
         return wire.ControlReply(True, self.ratelimit.check(msg.key, int(msg.tokens)))
+
+    # -- the store (metrale.store) ----------------------------------------------------------
+    def _store_commit(self, event_type: str, fields: dict) -> dict:
+        event = self.emit(event_type, **fields)
+        self.store.apply(event)
+        return event
+
+    def _store_request(self, msg: wire.StoreRequest) -> wire.ControlReply:
+        """Answered only once what it changed is fsynced: an acknowledged write survives a
+        kill -9 (and a power loss). A cancel also aborts the response's engine requests."""
+        before = self.journal.next_seq if self.journal else 0
+        try:
+            data, ok = self.store.execute(msg.op, msg.owner, msg.args, self._store_commit), True
+        except stored.StoreError as e:
+            data, ok = e.to_dict(), False
+        if self.journal and self.journal.next_seq != before:
+            self.journal.sync()
+        self._commit_events()
+        for request_id in data.pop("abort", ()) if ok else ():
+            self._abort(request_id, "cancelled")
+        return wire.ControlReply(ok, data)
+
+    def _store_upkeep(self) -> None:
+        """Retention (every TTL_SWEEP_S) and the snapshot, a chunk per loop iteration."""
+        now = time.monotonic()
+        if now - self._last_sweep >= stored.TTL_SWEEP_S:
+            self._last_sweep = now
+            if self.store.expire(self._store_commit) and self.journal:
+                self.journal.sync()
+        if self.journal is None:
+            return
+        if self._snapshot is None and self.store.events_since_snapshot >= self._snapshot_every:
+            self.journal.flush()
+            self._snapshot = stored.SnapshotWriter(self.store, self.journal.dir,
+                                                   self.journal.next_seq - 1, list(self.live))
+        if self._snapshot is not None and self._snapshot.step():
+            self._snapshot = None
 
 
     # -- what metrale.swap drives ---------------------------------------------------------------

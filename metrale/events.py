@@ -47,6 +47,9 @@ EVENT_TYPES = (
     "ModelLoaded", "ModelReleased", "ModelLoadFailed",
     "RequestAdmitted", "RequestRejected", "TokensEmitted", "RequestFinished", "RequestAborted",
     "RequestPreempted", "ResponseStored", "ConversationAppended",
+    # the rest of the store's (metrale.store)
+    "ResponseDeleted", "ConversationCreated", "ConversationUpdated", "ConversationItemDeleted",
+    "ConversationDeleted", "StoreEvicted",
 )
 
 MAGIC = b"MJ\xff\xfe"
@@ -216,9 +219,12 @@ def read_events(directory: str | os.PathLike, from_seq: int = 0,
                 on_damage: Callable[[Damage], None] | None = None) -> Iterator[dict]:
     """Every stored event with seq >= from_seq, read-only (no lock, nothing truncated). A torn
     tail of the last segment is the writer at work and passes silently; any other damage is
-    skipped and handed to `on_damage`."""
+    skipped and handed to `on_damage`. Segments wholly before from_seq are not read (a
+    segment is named by its first seq, so the next one's name bounds it)."""
     segs = segments(directory)
     for i, path in enumerate(segs):
+        if from_seq and i + 1 < len(segs) and _segment_first_seq(segs[i + 1]) <= from_seq:
+            continue
         for item in scan_segment(path):
             if isinstance(item, Damage):
                 if on_damage and not (item.torn and i == len(segs) - 1):
@@ -353,6 +359,13 @@ class Journal:
             self._file.flush()
             if self.fsync:
                 os.fsync(self._file.fileno())
+
+    def sync(self) -> None:
+        """Flush and fsync whatever the fsync setting: what follows survives a power loss
+        (the store's writes are acknowledged only after this)."""
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
 
     def _writer(self):
         if self._file is not None and self._file.tell() < self.segment_bytes:

@@ -31,6 +31,9 @@ LEVERS: dict[str, Lever] = {lv.name: lv for lv in (
           "is cut off with 408"),
     Lever("METRALE_MAX_MESSAGES", int, 2048, "frontends/limits.py",
           "most entries accepted in a request's 'messages' array; more get 400"),
+    Lever("METRALE_STORE_SNAPSHOT_EVERY", int, 20000, "metrale/engine_server.py",
+          "store events (stored responses, conversation changes) after which the engine writes "
+          "a new store snapshot; a restart reads it and the journal after it"),
     Lever("METRALE_RATE_LIMIT_RPM", int, 0, "metrale/ratelimit.py",
           "requests per minute per key (per client address when auth is off); 0 = off"),
     Lever("METRALE_RATE_LIMIT_TPM", int, 0, "metrale/ratelimit.py",

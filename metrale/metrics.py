@@ -55,6 +55,15 @@ class EngineMetrics:
         self.constrained = Counter("metrale_constrained_requests",
                                    "requests admitted with a grammar (structured output)",
                                    registry=r)
+        self.stored_responses = Gauge("metrale_stored_responses",
+                                      "responses in the store (/v1/responses)", registry=r)
+        self.stored_conversations = Gauge("metrale_stored_conversations",
+                                          "conversations in the store", registry=r)
+        self.stored_conversation_items = Gauge("metrale_stored_conversation_items",
+                                               "items of every stored conversation", registry=r)
+        self.store_evictions = Counter("metrale_store_evictions",
+                                       "stored objects evicted by --store-max-items / --store-ttl",
+                                       registry=r)
         self._active = 0
 
     def admitted(self, num_prompt_tokens: int) -> None:
@@ -100,6 +109,12 @@ class EngineMetrics:
             self.grammar_mask.observe(st.mask_seconds.popleft())
         self.grammar_wait._value.set(st.wait_seconds)
         self.constrained._value.set(st.num_constrained)
+
+    def set_store(self, counts: dict) -> None:
+        self.stored_responses.set(counts["responses"])
+        self.stored_conversations.set(counts["conversations"])
+        self.stored_conversation_items.set(counts["conversation_items"])
+        self.store_evictions._value.set(counts["evicted"])
 
     def _set_spec(self, st) -> None:
         """Counters follow the engine's totals (the scrape is the only reader)."""

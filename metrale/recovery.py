@@ -16,9 +16,10 @@ log = logging.getLogger("metrale.engine")
 TERMINAL_EVENTS = ("RequestFinished", "RequestAborted")
 
 
-def unfinished_requests(events) -> list[str]:
-    """The ids of admitted requests without a terminal event, in admission order."""
-    open_ids: dict[str, None] = {}
+def unfinished_requests(events, open_before=()) -> list[str]:
+    """The ids of admitted requests without a terminal event, in admission order (`open_before`:
+    those open before the first of `events`, from a snapshot)."""
+    open_ids: dict[str, None] = dict.fromkeys(open_before)
     for event in events:
         kind = event.get("type")
         if kind == "RequestAdmitted":
@@ -28,10 +29,13 @@ def unfinished_requests(events) -> list[str]:
     return list(open_ids)
 
 
-def abort_unfinished(journal, emit: Callable[..., None]) -> list[str]:
+def abort_unfinished(journal, emit: Callable[..., None], from_seq: int = 0,
+                     open_before=()) -> list[str]:
     """Journal `RequestAborted(cause="engine_restart")` for each request the last engine left
-    open (`emit(event_type, **fields)` is the engine's emit); returns their ids."""
-    ids = unfinished_requests(journal.replay())
+    open (`emit(event_type, **fields)` is the engine's emit); returns their ids. With a
+    snapshot (metrale.store) only the journal after it is read: `from_seq` and the requests
+    open at that point."""
+    ids = unfinished_requests(journal.replay(from_seq), open_before)
     for request_id in ids:
         emit("RequestAborted", request_id=request_id, reason="abort", cause="engine_restart")
     if ids:

@@ -12,8 +12,8 @@ Sockets (DESIGN.md section 2):
   engine   PUB   -> frontend SUB    StepOutput (topic = frontend id: each frontend gets only its own),
                                     ModelChanged (a swap's states, metrale.swap)
   frontend DEALER <-> engine ROUTER a control request (HealthCheck, ModelInfoQuery, StatsQuery,
-                                    RateLimitCheck, LoadModel, LibraryQuery) -> ControlReply
-                                    (model_info's data is a
+                                    RateLimitCheck, LoadModel, LibraryQuery, StoreRequest)
+                                    -> ControlReply (model_info's data is a
                                     ModelInfo: typed, validated, JSON-safe)
   engine   PUB   -> anyone SUB      events (topic = event type), see metrale.events
 
@@ -135,6 +135,17 @@ class ModelChanged:
     state: str
     model: str = ""
     load_id: int = 0
+
+
+@dataclass(frozen=True)
+class StoreRequest:
+    """A stored-responses / conversations operation (metrale.store: `op` is one of
+    Store's ops, `owner` the caller's API-key fingerprint or "" without auth). Answered once
+    every change it made is journalled and fsynced; a refusal's data is {"error", "status",
+    "param"}."""
+    op: str
+    owner: str = ""
+    args: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -326,10 +337,10 @@ def _tuplify(x):
 _SIMPLE = {b"abort": Abort, b"heartbeat": Heartbeat, b"health": HealthCheck,
            b"model_info": ModelInfoQuery, b"stats": StatsQuery, b"rate_limit": RateLimitCheck,
            b"reply": ControlReply, b"load_model": LoadModel, b"library": LibraryQuery,
-           b"model_changed": ModelChanged}
+           b"model_changed": ModelChanged, b"store": StoreRequest}
 _KIND_OF = {cls: kind for kind, cls in _SIMPLE.items()}
 CONTROL_REQUESTS = (HealthCheck, ModelInfoQuery, StatsQuery, RateLimitCheck, LoadModel,
-                    LibraryQuery)
+                    LibraryQuery, StoreRequest)
 
 
 def kind(msg) -> str:

@@ -23,8 +23,10 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 EXAMPLES_PER_OPERATION = 10       # per generation mode
 RAW_EXAMPLES = 300
 POST_ROUTES = ["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize",
-               "/v1/messages", "/v1/messages/count_tokens"]
+               "/v1/messages", "/v1/messages/count_tokens", "/v1/responses",
+               "/v1/conversations"]
 FIELDS = ["model", "messages", "prompt", "max_tokens", "n", "stop", "stream", "temperature",
+          "input", "items", "max_output_tokens", "previous_response_id", "conversation",
           "tokens", "system", "tools", "logprobs", "seed", "stream_options", "top_k"]
 
 
