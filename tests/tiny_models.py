@@ -575,7 +575,7 @@ _FAMILY_CONFIGS = {
     "minimax_m2": dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=3,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                        max_position_embeddings=512, rms_norm_eps=1e-6, num_local_experts=6,
-                       num_experts_per_tok=2, tie_word_embeddings=False,
+                       num_experts_per_tok=2, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
                        rope_parameters={"rope_type": "default", "rope_theta": 5e6,
                                         "partial_rotary_factor": 0.5}),
 }
