@@ -27,12 +27,11 @@ _BUILDERS: dict[str, Callable[[Checkpoint, object], CausalLM]] = {
     "llama": build_llama_family,
     "mistral": build_llama_family,
     "gemma4": build_gemma4,
-    "gemma4_text": build_gemma4,
     "minimax_m2": build_minimax_m2,
 }
 
 # text-config spellings of the same architectures (a loader that flattens text_config may keep them)
-_ALIASES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+_ALIASES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe", "gemma4_text": "gemma4"}
 
 SUPPORTED_MODEL_TYPES = tuple(_BUILDERS)
 
