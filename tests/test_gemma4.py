@@ -18,7 +18,7 @@ from metrale.backends.cpu import CpuOps
 from metrale.models.checkpoint import CheckpointError
 from metrale.models.gemma4 import plan_layers
 from metrale.models.registry import build_model
-from tiny_models import VOCAB, load_tiny, make_tiny_family, rewrite_config
+from tiny_models import VOCAB, load_tiny, make_tiny_family, make_tiny_gemma4_multimodal, rewrite_config
 
 PROMPT_LEN = 70
 
@@ -130,3 +130,17 @@ def test_the_real_cuda_backend_lacks_the_ops():
 def test_tool_parser_default():
     assert default_tool_parser("gemma4") == "gemma4"
     assert default_tool_parser("gemma4_text") == "gemma4"
+
+
+def test_hub_multimodal_layout_serves_its_text_model(tmp_path, prompt):
+    """google/gemma-4-* ship Gemma4ForConditionalGeneration: the text model is read from under
+    model.language_model (the vision tower is not), matching HF's text-only forward."""
+    import torch
+    import transformers as tf
+
+    path = make_tiny_gemma4_multimodal(tmp_path)
+    hf = tf.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        ref = hf.eval()(input_ids=torch.tensor([prompt]), use_cache=False).logits[0].numpy()
+    assert load_tiny(path).config["model_type"] == "gemma4"
+    fc.check_one_shot(path, prompt, ref)

@@ -607,3 +607,22 @@ def make_tiny_family(arch: str, path, dtype: str = "float32", seed: int = 0, **o
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(str(path))
     return str(path)
+
+
+def make_tiny_gemma4_multimodal(path, seed: int = 0, **overrides) -> str:
+    """The gemma4_dense checkpoint in the hub's layout: Gemma4ForConditionalGeneration with a
+    one-layer vision tower, config.json nesting the text model under `text_config`, tensors
+    named `model.language_model.*`. Returns `path` as str."""
+    import torch
+    import transformers as tf
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=16, patch_size=4, position_embedding_size=64)
+    config = tf.Gemma4Config(text_config=dict(_FAMILY_CONFIGS["gemma4_dense"], **overrides),
+                             vision_config=vision, audio_config=None)
+    torch.manual_seed(seed)
+    model = tf.Gemma4ForConditionalGeneration(config)
+    _randomise(model, seed)
+    os.makedirs(path, exist_ok=True)
+    model.eval().save_pretrained(str(path))
+    return str(path)
