@@ -12,7 +12,8 @@
 Tensors load from the layout transformers 5 saves (`mlp.gate.weight`, `mlp.experts.gate_up_proj`
 [E, 2I, H], `mlp.experts.down_proj`, `mlp.e_score_correction_bias`) or the hub release's
 (`block_sparse_moe.gate.weight`, `block_sparse_moe.experts.{e}.w1|w2|w3.weight`,
-`block_sparse_moe.e_score_correction_bias`). The release's MTP modules are not read (HF reads
+`block_sparse_moe.e_score_correction_bias`), or a GGUF file (metrale.models.gguf_loader: the
+experts stacked as `block_sparse_moe.experts.w1|w2|w3.weight` [E, ., .]). The release's MTP modules are not read (HF reads
 none either).
 
 Settings this code cannot honour are refused at load, naming the field; a backend without the
@@ -71,6 +72,10 @@ class SigmoidMoe:
         if e.has("gate_up_proj"):
             self.gate_up = e.get("gate_up_proj", (n_experts, 2 * inter, hidden))
             self.down = e.get("down_proj", (n_experts, hidden, inter))
+        elif e.has("w1.weight"):        # stacked per layer (llama.cpp's GGUF converter)
+            self.gate_up = w.ops.asarray(np.concatenate([e.host("w1.weight", (n_experts, inter, hidden)),
+                                                         e.host("w3.weight", (n_experts, inter, hidden))], axis=1))
+            self.down = e.get("w2.weight", (n_experts, hidden, inter))
         else:
             self.gate_up = w.ops.asarray(np.stack([np.concatenate([e.host(f"{i}.w1.weight", (inter, hidden)),
                                                                    e.host(f"{i}.w3.weight", (inter, hidden))])
