@@ -98,7 +98,8 @@ def plan_layers(config: dict) -> list[LayerPlan]:
     plans = []
     for i, kind in enumerate(types):
         o = over.get(i, {})
-        d = o.get("head_dim", int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]))
+        default_d = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+        d = o.get("head_dim", default_d)
         hk = o.get("num_key_value_heads", int(config["num_key_value_heads"]))
         source = -1
         if i >= first_shared:
@@ -234,7 +235,8 @@ class Gemma4Layer:
         self.mlp = GeluMLP(w.sub("mlp."), hidden, int(config["intermediate_size"]) * (2 if double_wide else 1))
         self.moe = Gemma4Moe(w, config) if config.get("enable_moe_block") else None
         if self.moe is not None:
-            self.post_ff_norm_1, self.post_ff_norm_2 = norm("post_feedforward_layernorm_1"), norm("post_feedforward_layernorm_2")
+            self.post_ff_norm_1 = norm("post_feedforward_layernorm_1")
+            self.post_ff_norm_2 = norm("post_feedforward_layernorm_2")
             self.pre_ff_norm_2 = norm("pre_feedforward_layernorm_2")
         ple = int(config.get("hidden_size_per_layer_input") or 0)
         if ple:
@@ -250,7 +252,8 @@ class Gemma4Layer:
         h = self.mlp(ops.rms_norm(x, self.pre_ff_norm, eps, 0.0))
         if self.moe is not None:
             routed = self.moe(x, ops.rms_norm(x, self.pre_ff_norm_2, eps, 0.0))
-            h = ops.rms_norm(h, self.post_ff_norm_1, eps, 0.0) + ops.rms_norm(routed, self.post_ff_norm_2, eps, 0.0)
+            h = (ops.rms_norm(h, self.post_ff_norm_1, eps, 0.0)
+                 + ops.rms_norm(routed, self.post_ff_norm_2, eps, 0.0))
         x = x + ops.rms_norm(h, self.post_ff_norm, eps, 0.0)
         if per_layer_input is not None:
             g = ops.gelu_tanh_mul(ops.linear(x, self.ple_gate), per_layer_input)
@@ -342,5 +345,6 @@ def build_gemma4(ckpt: Checkpoint, ops) -> Gemma4LM:
     embed = root.get(prefix + "embed_tokens.weight", shape)
     lm_head = embed if config["tie_word_embeddings"] else root.get("lm_head.weight", shape)
     norm = NormSpec(float(config.get("rms_norm_eps", 1e-6)), 0.0)
-    return Gemma4LM(config, ops, CacheSpec(tuple(specs)), embed, layers, root.get(prefix + "norm.weight", (hidden,)),
-                    lm_head, norm, _per_layer_embeddings(root, config, prefix, n))
+    final_norm = root.get(prefix + "norm.weight", (hidden,))
+    return Gemma4LM(config, ops, CacheSpec(tuple(specs)), embed, layers, final_norm, lm_head, norm,
+                    _per_layer_embeddings(root, config, prefix, n))

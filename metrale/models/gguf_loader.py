@@ -275,7 +275,8 @@ def minimax_m2_config(meta: GGUFMetadata, has_output: bool) -> dict:
         "num_local_experts": int(meta.require(f"{a}.expert_count")),
         "num_experts_per_tok": int(meta.require(f"{a}.expert_used_count")),
         "rms_norm_eps": _float32_value(meta.require(f"{a}.attention.layer_norm_rms_epsilon")),
-        "rope_parameters": {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": rotary / head_dim},
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta,
+                            "partial_rotary_factor": rotary / head_dim},
         "rotary_dim": rotary, "max_position_embeddings": int(meta.require(f"{a}.context_length")),
         "vocab_size": int(vocab), "hidden_act": "silu", "tie_word_embeddings": not has_output,
     }

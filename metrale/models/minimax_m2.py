@@ -9,12 +9,12 @@
               e_score_correction_bias; weights = their scores renormalised to sum 1; SwiGLU
               experts (w1 gate, w3 up, w2 down)
 
-Tensors load from the layout transformers 5 saves (`mlp.gate.weight`, `mlp.experts.gate_up_proj`
+Tensors load from transformers 5's in-memory layout (`mlp.gate.weight`, `mlp.experts.gate_up_proj`
 [E, 2I, H], `mlp.experts.down_proj`, `mlp.e_score_correction_bias`) or the hub release's
 (`block_sparse_moe.gate.weight`, `block_sparse_moe.experts.{e}.w1|w2|w3.weight`,
 `block_sparse_moe.e_score_correction_bias`), or a GGUF file (metrale.models.gguf_loader: the
-experts stacked as `block_sparse_moe.experts.w1|w2|w3.weight` [E, ., .]). The release's MTP modules are not read (HF reads
-none either).
+experts stacked as `block_sparse_moe.experts.w1|w2|w3.weight` [E, ., .]). The release's MTP
+modules are not read (HF reads none either).
 
 Settings this code cannot honour are refused at load, naming the field; a backend without the
 sigmoid-routed MoE ops (the CUDA kernels today) refuses the checkpoint at load.
@@ -80,7 +80,8 @@ class SigmoidMoe:
             self.gate_up = w.ops.asarray(np.stack([np.concatenate([e.host(f"{i}.w1.weight", (inter, hidden)),
                                                                    e.host(f"{i}.w3.weight", (inter, hidden))])
                                                    for i in range(n_experts)]))
-            self.down = w.ops.asarray(np.stack([e.host(f"{i}.w2.weight", (hidden, inter)) for i in range(n_experts)]))
+            self.down = w.ops.asarray(np.stack([e.host(f"{i}.w2.weight", (hidden, inter))
+                                                for i in range(n_experts)]))
 
     def __call__(self, x, batch=None, caches=None):
         ops = self.ops
