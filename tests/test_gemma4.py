@@ -144,3 +144,11 @@ def test_hub_multimodal_layout_serves_its_text_model(tmp_path, prompt):
         ref = hf.eval()(input_ids=torch.tensor([prompt]), use_cache=False).logits[0].numpy()
     assert load_tiny(path).config["model_type"] == "gemma4"
     fc.check_one_shot(path, prompt, ref)
+
+
+def test_proportional_rope_with_a_factor_matches_hf(tmp_path, prompt):
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                               "rope_theta": 10000.0, "factor": 4.0}}
+    path = make_tiny_family("gemma4_moe", tmp_path, rope_parameters=rope)
+    fc.check_one_shot(path, prompt, fc.reference(path, prompt))
