@@ -546,3 +546,83 @@ def _config_modelopt_nvfp4(config, dst, kept, block):
 _QUANT_CONFIGS = {"fp8-block": _config_fp8_block, "ct-fp8-channel": _config_ct("ct-fp8-channel"),
                   "ct-fp8-tensor": _config_ct("ct-fp8-tensor"), "ct-nvfp4": _config_ct("ct-nvfp4"),
                   "modelopt-fp8": _config_modelopt_fp8, "modelopt-nvfp4": _config_modelopt_nvfp4}
+
+
+# ---------------------------------------------------------------------------------------------
+# Gemma 4 (text) and MiniMax M2: *ForCausalLM checkpoints (metrale.models.gemma4 / minimax_m2)
+
+FAMILY_ARCHS = ("gemma4_dense", "gemma4_moe", "minimax_m2")
+
+_GEMMA4_TEXT = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+    max_position_embeddings=512, rms_norm_eps=1e-6, sliding_window=8,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+    final_logit_softcapping=3.0, tie_word_embeddings=True, pad_token_id=0,
+    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                     "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                        "rope_theta": 1000000.0}},
+)
+
+_FAMILY_CONFIGS = {
+    # per-layer inputs, the last two layers sharing K/V (one sliding, one global) with double-wide MLPs
+    "gemma4_dense": dict(_GEMMA4_TEXT, hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
+                         num_kv_shared_layers=2, use_double_wide_mlp=True),
+    # the MoE block beside the dense MLP; global layers with k == v and their own KV head count
+    "gemma4_moe": dict(_GEMMA4_TEXT, hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=5,
+                       top_k_experts=2, moe_intermediate_size=32, attention_k_eq_v=True,
+                       num_global_key_value_heads=1, tie_word_embeddings=False),
+    "minimax_m2": dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=3,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       max_position_embeddings=512, rms_norm_eps=1e-6, num_local_experts=6,
+                       num_experts_per_tok=2, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                       rope_parameters={"rope_type": "default", "rope_theta": 5e6,
+                                        "partial_rotary_factor": 0.5}),
+}
+
+
+def make_tiny_family(arch: str, path, dtype: str = "float32", seed: int = 0, **overrides) -> str:
+    """A tiny random Gemma4ForCausalLM / MiniMaxM2ForCausalLM checkpoint (FAMILY_ARCHS) in
+    `path`. Parameters are perturbed as make_tiny does, and so are the buffers that change the
+    math (Gemma 4's layer_scalar, MiniMax's e_score_correction_bias), which HF inits to
+    constants. Returns `path` as str."""
+    import torch
+    import transformers as tf
+
+    text = dict(_FAMILY_CONFIGS[arch], **overrides)
+    torch.manual_seed(seed)
+    if arch.startswith("gemma4"):
+        model = tf.Gemma4ForCausalLM(tf.Gemma4TextConfig(**text))
+    else:
+        model = tf.MiniMaxM2ForCausalLM(tf.MiniMaxM2Config(**text))
+    _randomise(model, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(torch.rand(b.shape, generator=gen) + 0.5)
+            elif name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.3)
+    model = model.to(getattr(torch, dtype)).eval()
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+def make_tiny_gemma4_multimodal(path, seed: int = 0, **overrides) -> str:
+    """The gemma4_dense checkpoint in the hub's layout: Gemma4ForConditionalGeneration with a
+    one-layer vision tower, config.json nesting the text model under `text_config`, tensors
+    named `model.language_model.*`. Returns `path` as str."""
+    import torch
+    import transformers as tf
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=16, patch_size=4, position_embedding_size=64)
+    config = tf.Gemma4Config(text_config=dict(_FAMILY_CONFIGS["gemma4_dense"], **overrides),
+                             vision_config=vision, audio_config=None)
+    torch.manual_seed(seed)
+    model = tf.Gemma4ForConditionalGeneration(config)
+    _randomise(model, seed)
+    os.makedirs(path, exist_ok=True)
+    model.eval().save_pretrained(str(path))
+    return str(path)

@@ -155,3 +155,43 @@ def compose_gated_delta_rule_with_gates(ops, q, k, v, a, b, A_log, dt_bias, ssm_
     semantics, and the fallback outside a fused kernel."""
     g, beta = ops.gdn_gates(a, b, A_log, dt_bias)
     return ops.gated_delta_rule(q, k, v, g, beta, ssm_state, batch)
+
+
+class FamilyOps(Protocol):
+    """Ops the Gemma 4 and MiniMax M2 families add (metrale.models.gemma4 / minimax_m2). A
+    backend without one of them cannot serve a model whose config needs it: the model's builder
+    refuses it at load (`missing_ops`), naming the feature, never serving it wrong."""
+
+    def sliding_attention(self, q: Array, k_cache: Array, v_cache: Array, batch: ForwardBatch,
+                          scale: float, window: int) -> Array:
+        """`attention` with a sliding window: the new token at position p attends to the keys at
+        positions (p - window, p] of its sequence's paged KV. The blocks outside the window stay
+        in the cache (prefix caching and chunked prefill see the same blocks); only the mask
+        changes."""
+
+    def softcap(self, x: Array, cap: float) -> Array:
+        """cap * tanh(x / cap), in fp32 (logit soft-capping); x's dtype out."""
+
+    def gelu_tanh_mul(self, x: Array, up: Array | None = None) -> Array:
+        """gelu_tanh(gate) * up (GELU, tanh approximation: HF gelu_pytorch_tanh): x [T, 2I] laid
+        out as [gate | up] -> [T, I], or, with `up` given, gelu_tanh(x) * up of two [T, N]."""
+
+    def route_topk(self, logits: Array, top_k: int, scoring: str, renormalize: bool,
+                   bias: Array | None = None, expert_scale: Array | None = None):
+        """An MoE router's choice from its logits [T, E] (fp32): scores = softmax(logits) or
+        sigmoid(logits) (`scoring` "softmax" | "sigmoid"); the top_k experts by scores + bias
+        (`bias` [E], the score-correction bias of sigmoid routers, used for the choice only);
+        weights = their scores, divided by their sum when `renormalize`, then multiplied by
+        expert_scale[expert] when given ([E], Gemma 4's per_expert_scale). Returns (weights
+        [T, top_k] fp32, experts [T, top_k] int32)."""
+
+    def moe_topk(self, x: Array, weights: Array, experts: Array, gate_up: Array, down: Array,
+                 activation: str = "silu") -> Array:
+        """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) with each expert a gated MLP
+        down(act(gate(x)) * up(x)), act "silu" | "gelu_tanh": gate_up [E, 2I, H] ([gate | up]),
+        down [E, H, I]; x [T, H] -> [T, H]."""
+
+
+def missing_ops(ops, needed: dict[str, str]) -> list[str]:
+    """The features of `needed` (op name -> what it is) that backend `ops` lacks."""
+    return [f"{what} (ops.{name})" for name, what in needed.items() if not callable(getattr(ops, name, None))]

@@ -348,6 +348,84 @@ class CpuOps:
             np.add.at(out, tok, y * weights[tok, pick][:, None])
         return self._out(out)
 
+    # -- ops of the Gemma 4 / MiniMax M2 families (base.FamilyOps) ---------------------------
+    def sliding_attention(self, q, k_cache, v_cache, batch, scale, window):
+        out = np.empty(q.shape, dtype=F32)
+        hk, d = k_cache.shape[-2:]
+        flat_k, flat_v = k_cache.reshape(-1, hk, d), v_cache.reshape(-1, hk, d)
+        for i in range(batch.num_seqs):
+            rows = _seq_rows(batch, i)
+            if rows.stop == rows.start:
+                continue
+            context = _context_len(batch, i)
+            first = max(0, context - window + 1)      # the oldest key any new token still sees
+            slots = _seq_slots(batch, i, int(batch.seq_lens[i]))[first:]
+            out[rows] = _attend_window(_f32(q[rows]), _f32(flat_k[slots]), _f32(flat_v[slots]),
+                                       context, scale, window, first)
+        return self._out(out)
+
+    def softcap(self, x, cap):
+        return (F32(cap) * np.tanh(_f32(x) / F32(cap))).astype(np.asarray(x).dtype, copy=False)
+
+    def gelu_tanh_mul(self, x, up=None):
+        x = _f32(x)
+        if up is None:
+            half = x.shape[-1] // 2
+            x, up = x[..., :half], x[..., half:]
+        return self._out(_gelu_tanh(x) * _f32(up))
+
+    def route_topk(self, logits, top_k, scoring, renormalize, bias=None, expert_scale=None):
+        logits = _f32(logits)
+        if scoring == "softmax":
+            scores = np.exp(logits - logits.max(axis=-1, keepdims=True))
+            scores /= scores.sum(axis=-1, keepdims=True)
+        elif scoring == "sigmoid":
+            scores = _sigmoid(logits)
+        else:
+            raise ValueError(f"unknown router scoring {scoring!r}")
+        choice = scores if bias is None else scores + _f32(bias)
+        experts = np.argsort(-choice, axis=-1, kind="stable")[:, :top_k]
+        weights = np.take_along_axis(scores, experts, axis=-1)
+        if renormalize:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        if expert_scale is not None:
+            weights = weights * _f32(expert_scale)[experts]
+        return weights.astype(F32), experts.astype(np.int32)
+
+    def moe_topk(self, x, weights, experts, gate_up, down, activation="silu"):
+        act = {"silu": _silu, "gelu_tanh": _gelu_tanh}[activation]
+        x32, weights, experts = _f32(x), _f32(weights), np.asarray(experts)
+        gate_up, down = self._dense(gate_up), self._dense(down)
+        out = np.zeros(x32.shape, dtype=F32)
+        for e in np.unique(experts):
+            tok, pick = np.nonzero(experts == e)
+            h = x32[tok] @ _f32(gate_up[e]).T
+            half = h.shape[-1] // 2
+            y = (act(h[:, :half]) * h[:, half:]) @ _f32(down[e]).T
+            np.add.at(out, tok, y * weights[tok, pick][:, None])
+        return self._out(out)
+
+
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU, tanh approximation (torch gelu(approximate="tanh"), HF gelu_pytorch_tanh)."""
+    inner = F32(np.sqrt(2.0 / np.pi)) * (x + F32(0.044715) * x * x * x)
+    return F32(0.5) * x * (F32(1.0) + np.tanh(inner))
+
+
+def _attend_window(q, k, v, context_len, scale, window, k_start):
+    """_attend with a sliding window: k, v hold positions k_start.. of the sequence; the query
+    at position p sees keys in (p - window, p]."""
+    lq, hq, d = q.shape
+    lk, hk, _ = k.shape
+    qg = q.reshape(lq, hk, hq // hk, d)
+    scores = np.einsum("qhgd,khd->hgqk", qg, k) * F32(scale)
+    q_pos = (context_len + np.arange(lq))[:, None]
+    k_pos = (k_start + np.arange(lk))[None, :]
+    scores = np.where((k_pos <= q_pos) & (k_pos > q_pos - window), scores, -np.inf)
+    scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs = scores / scores.sum(axis=-1, keepdims=True)
+    return np.einsum("hgqk,khd->qhgd", probs, v).reshape(lq, hq, d)
+
 
 def _store_kv(cache, slots, x) -> None:
     """x [n, Hk, D] into token slots `slots` of one side of a layer's KV."""

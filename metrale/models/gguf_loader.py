@@ -6,6 +6,8 @@
   afresh, so read each tensor once). Q and K rows get llama.cpp's converter permutation undone, as
   HF transformers' GGUF loader does, so they match the HF checkpoint the GGUF was made from.
 - The config is synthesized in HF Llama form from the `llama.*` metadata.
+- `minimax-m2` files load the same way in HF MiniMax M2 form (`minimax_m2_config`,
+  `minimax_m2_tensor_name`; no Q/K permutation to undo). Gemma 4 (`gemma4`) is not mapped yet.
 - The tokenizer is rebuilt in HF `tokenizers` JSON form from the `tokenizer.ggml.*` metadata and
   written to a content-addressed cache file, whose path becomes `Checkpoint.tokenizer_json`.
 """
@@ -24,7 +26,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from metrale.models.checkpoint import Checkpoint, CheckpointError
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "minimax-m2")
 SUPPORTED_QUANT_TYPES = tuple(
     GGMLQuantizationType[t] for t in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"))
 SUPPORTED_TOKENIZER_MODELS = ("gpt2",)
@@ -60,7 +62,9 @@ def load_gguf(path: str, cache_dir: str | None = None, name: str | None = None) 
         raise CheckpointError(
             f"{path}: GGUF architecture {architecture!r} is not supported; supported: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-    config = llama_config(meta, has_output=any(t.name == "output.weight" for t in reader.tensors))
+    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    config = (minimax_m2_config(meta, has_output) if architecture == "minimax-m2"
+              else llama_config(meta, has_output))
     tensors = GGUFTensors(reader, path, config)
     tokenizer = build_tokenizer(meta)
     return Checkpoint(
@@ -174,14 +178,19 @@ class GGUFTensors(Mapping):
         self.path = path
         self._heads = config["num_attention_heads"]
         self._kv_heads = config["num_key_value_heads"]
+        self._llama = config["model_type"] == "llama"      # only llama's converter permutes Q/K rows
+        self._rename = ((lambda n: hf_tensor_name(n, path)) if self._llama
+                        else (lambda n: minimax_m2_tensor_name(n, path)))
         self._tensors: dict[str, ReaderTensor] = {}
         for tensor in reader.tensors:
             self._check_type(tensor)
-            self._tensors[hf_tensor_name(tensor.name, path)] = tensor
+            self._tensors[self._rename(tensor.name)] = tensor
 
     def __getitem__(self, name: str) -> np.ndarray:
         tensor = self._tensors[name]
         weights = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        if not self._llama:
+            return weights
         if name.endswith("self_attn.q_proj.weight"):
             return unpermute_rows(weights, self._heads)
         if name.endswith("self_attn.k_proj.weight"):
@@ -216,6 +225,66 @@ def hf_tensor_name(gguf_name: str, path: str) -> str:
     raise CheckpointError(
         f"{path}: GGUF tensor '{gguf_name}' has no HF Llama counterpart (llama.cpp variants with "
         f"extra tensors, e.g. MoE experts or rope_freqs for Llama 3 rope scaling, are not supported)")
+
+
+# MiniMax M2 (llama.cpp's MiniMaxM2Model converter: no Q/K permutation; the experts' w1 / w3 / w2
+# stacked per layer into one [E, ., .] tensor each, named here as the converter names them before
+# mapping; e_score_correction_bias -> exp_probs_b)
+_MINIMAX_M2_LAYER_TENSORS = {
+    **{k: v for k, v in _LAYER_TENSORS.items() if k.startswith("attn_")},
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate_inp": "block_sparse_moe.gate",
+    "ffn_gate_exps": "block_sparse_moe.experts.w1",
+    "ffn_up_exps": "block_sparse_moe.experts.w3",
+    "ffn_down_exps": "block_sparse_moe.experts.w2",
+}
+_EXP_PROBS_B = re.compile(r"blk\.(\d+)\.exp_probs_b(\.bias)?")
+
+
+def minimax_m2_tensor_name(gguf_name: str, path: str) -> str:
+    """HF MiniMax M2 name of a GGUF tensor (metrale.models.minimax_m2 reads the stacked experts)."""
+    bias = _EXP_PROBS_B.fullmatch(gguf_name)
+    if bias:
+        return f"model.layers.{bias.group(1)}.block_sparse_moe.e_score_correction_bias"
+    layer = _LAYER_NAME.fullmatch(gguf_name)
+    if layer and layer.group(2) in _MINIMAX_M2_LAYER_TENSORS:
+        return f"model.layers.{layer.group(1)}.{_MINIMAX_M2_LAYER_TENSORS[layer.group(2)]}.{layer.group(3)}"
+    top = _GLOBAL_NAME.fullmatch(gguf_name)
+    if top and top.group(1) in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[top.group(1)]}.{top.group(2)}"
+    raise CheckpointError(f"{path}: GGUF tensor '{gguf_name}' has no HF MiniMax M2 counterpart")
+
+
+def minimax_m2_config(meta: GGUFMetadata, has_output: bool) -> dict:
+    """HF MiniMaxM2Config-style dict from the `minimax-m2.*` metadata (llama.cpp writes the
+    experts' width as expert_feed_forward_length and the rotated dims as rope.dimension_count)."""
+    a = "minimax-m2"
+    hidden, heads = int(meta.require(f"{a}.embedding_length")), int(meta.require(f"{a}.attention.head_count"))
+    head_dim = int(meta.get(f"{a}.attention.key_length", hidden // heads))
+    rotary = int(meta.get(f"{a}.rope.dimension_count", head_dim))
+    theta = _float32_value(meta.get(f"{a}.rope.freq_base", 5000000.0))
+    vocab = meta.get(f"{a}.vocab_size") or len(meta.require("tokenizer.ggml.tokens"))
+    config = {
+        "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2",
+        "hidden_size": hidden, "num_attention_heads": heads, "head_dim": head_dim,
+        "num_key_value_heads": int(meta.get(f"{a}.attention.head_count_kv", heads)),
+        "intermediate_size": int(meta.require(f"{a}.expert_feed_forward_length")),
+        "num_hidden_layers": int(meta.require(f"{a}.block_count")),
+        "num_local_experts": int(meta.require(f"{a}.expert_count")),
+        "num_experts_per_tok": int(meta.require(f"{a}.expert_used_count")),
+        "rms_norm_eps": _float32_value(meta.require(f"{a}.attention.layer_norm_rms_epsilon")),
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta,
+                            "partial_rotary_factor": rotary / head_dim},
+        "rotary_dim": rotary, "max_position_embeddings": int(meta.require(f"{a}.context_length")),
+        "vocab_size": int(vocab), "hidden_act": "silu", "tie_word_embeddings": not has_output,
+    }
+    for key in ("bos", "eos", "pad"):
+        token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if token_id is not None:
+            config[f"{key}_token_id"] = int(token_id)
+    return config
 
 
 def unpermute_rows(weights: np.ndarray, n_heads: int) -> np.ndarray:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from metrale.backends.base import missing_ops
 from metrale.cache.kv import CacheSpec, ModelCaches
 from metrale.forward import ForwardBatch
 from metrale.models.checkpoint import Checkpoint, CheckpointError
@@ -253,3 +254,14 @@ def load_embeddings(w: Weights, config: dict, prefix: str) -> tuple:
     if config.get("tie_word_embeddings", False):
         return embed, embed
     return embed, w.get("lm_head.weight", shape)
+
+
+def require_ops(ops, model_type: str, needed: dict[str, str], path: str) -> None:
+    """CheckpointError unless backend `ops` implements every op of `needed` (op name -> the
+    feature it is): a family whose config needs an op a backend lacks is refused at load,
+    naming the features, never served with the wrong math."""
+    missing = missing_ops(ops, needed)
+    if missing:
+        raise CheckpointError(
+            f"{path}: {model_type} needs {', '.join(missing)}, which the {ops.name} kernels do not "
+            f"implement yet; serve this checkpoint with --device cpu")

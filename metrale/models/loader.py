@@ -34,11 +34,12 @@ from metrale.models.quant import describe_weight_groups, read_quant_config, weig
 
 log = logging.getLogger("metrale.models.loader")
 
-SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3", "qwen2", "llama", "mistral")
+SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3", "qwen2", "llama", "mistral",
+                         "gemma4", "minimax_m2")
 
 # Multimodal wrappers save their text config as `<type>_text`; we serve the text model under the
 # wrapper's name.
-_TEXT_MODEL_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+_TEXT_MODEL_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe", "gemma4_text": "gemma4"}
 
 _SAFETENSORS_DTYPES = {
     "BOOL": np.dtype(np.bool_),

@@ -12,8 +12,10 @@ from __future__ import annotations
 from typing import Callable
 
 from metrale.models.checkpoint import Checkpoint, CheckpointError
+from metrale.models.gemma4 import build_gemma4
 from metrale.models.layers import CausalLM
 from metrale.models.llama import build_llama_family
+from metrale.models.minimax_m2 import build_minimax_m2
 from metrale.models.mtp import attach_mtp
 from metrale.models.qwen3_5 import build_qwen3_5
 
@@ -24,10 +26,12 @@ _BUILDERS: dict[str, Callable[[Checkpoint, object], CausalLM]] = {
     "qwen2": build_llama_family,
     "llama": build_llama_family,
     "mistral": build_llama_family,
+    "gemma4": build_gemma4,
+    "minimax_m2": build_minimax_m2,
 }
 
 # text-config spellings of the same architectures (a loader that flattens text_config may keep them)
-_ALIASES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+_ALIASES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe", "gemma4_text": "gemma4"}
 
 SUPPORTED_MODEL_TYPES = tuple(_BUILDERS)
 

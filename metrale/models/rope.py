@@ -12,6 +12,10 @@ Kinds (`rope_type`, legacy `type`), each computed as HF transformers' modeling_r
               (0.1 ln(factor) + 1 unless `attention_factor` or `mscale`/`mscale_all_dim` say)
     dynamic   dynamic NTK: HF recomputes the frequencies only once a sequence grows past
               max_position_embeddings; the engine caps sequences there, so it is `default` here
+    proportional  Gemma 4's global layers: the first partial_rotary_factor * head_dim / 2
+              frequencies theta ** (-2i / head_dim) (exponents over the WHOLE head), the rest
+              zero, so the whole head "rotates" (rotate-half pairs i, i + head_dim / 2) and the
+              zero-frequency pairs pass unchanged; all divided by `factor` (default 1)
     mrope     Qwen3.5's `mrope_section` / `mrope_interleaved` with rope_type default: for text
               all three position axes are the token position, which is plain rotary
 
@@ -27,7 +31,7 @@ import numpy as np
 
 from metrale.models.checkpoint import CheckpointError
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "proportional")
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,8 @@ def rope_from_config(config: dict, head_dim: int, default_partial: float = 1.0) 
         inv_freq = _llama3(inv_freq, params, config, field)
     elif kind == "yarn":
         inv_freq, attention_factor = _yarn(theta, rotary_dim, params, config, field)
+    elif kind == "proportional":
+        inv_freq, rotary_dim = _proportional(theta, head_dim, partial, params, field), head_dim
     elif kind not in ("default", "dynamic"):
         raise CheckpointError(
             f"config.json: {field}.rope_type {kind!r} is not supported (supported: "
@@ -139,3 +145,23 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 def _correction_dim(rotations: float, dim: int, theta: float, max_len: float) -> float:
     return (dim * math.log(max_len / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+
+def _proportional(theta: float, head_dim: int, partial: float, params: dict, field: str) -> np.ndarray:
+    """Proportional RoPE (HF _compute_proportional_rope_parameters): [head_dim // 2] inverse
+    frequencies, the non-rotated tail zero."""
+    angles = int(partial * head_dim // 2)
+    rotated = 1.0 / theta ** (np.arange(0, 2 * angles, 2, dtype=np.float64) / head_dim)
+    inv_freq = np.concatenate([rotated, np.zeros(head_dim // 2 - angles)])
+    factor = params.get("factor", 1.0)
+    return inv_freq / (_factor(params, field, "proportional") if factor != 1.0 else 1.0)
+
+
+def rope_of_layer_type(config: dict, layer_type: str, head_dim: int) -> Rope:
+    """The rotary embedding of one layer type where `rope_parameters` holds one entry per type
+    (Gemma 4: {"sliding_attention": {...}, "full_attention": {...}})."""
+    params = config.get("rope_parameters")
+    if not isinstance(params, dict) or not isinstance(params.get(layer_type), dict):
+        raise CheckpointError(f"config.json: rope_parameters has no entry for layer type "
+                              f"{layer_type!r} (got {params!r})")
+    return rope_from_config({**config, "rope_parameters": params[layer_type]}, head_dim)

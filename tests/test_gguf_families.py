@@ -1,0 +1,98 @@
+"""GGUF files of the MiniMax M2 architecture (`minimax-m2`), written with the gguf package's
+writer the way llama.cpp's MiniMaxM2Model converter writes them (HF tensor names mapped by
+gguf's tensor map, the experts' w1 / w3 / w2 stacked per layer, e_score_correction_bias as
+exp_probs_b, rotary_dim as rope.dimension_count, the experts' width as
+expert_feed_forward_length; no Q/K permutation), load to the logits HF computes from the source
+checkpoint."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from metrale.backends.cpu import CpuOps
+from metrale.cache.kv import ModelCaches
+from metrale.forward import contiguous_batch
+from metrale.models.checkpoint import CheckpointError
+from metrale.models.loader import load_checkpoint
+from metrale.models.registry import build_model
+from test_gguf_loader import MERGES, SPECIALS, _vocab
+from tiny_models import hf_logits, load_hf, make_tiny_family
+
+_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+          "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+          "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+          "self_attn.k_norm": "attn_k_norm", "block_sparse_moe.gate": "ffn_gate_inp"}
+
+
+def _write_gguf(src: str, dst: str, vocab: list[str]) -> str:
+    import json
+
+    config = json.load(open(f"{src}/config.json"))
+    state = load_file(f"{src}/model.safetensors")
+    w = gguf.GGUFWriter(dst, "minimax-m2")
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_expert_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_key_length(config["head_dim"])
+    w.add_value_length(config["head_dim"])
+    w.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    w.add_rope_dimension_count(int(config["head_dim"] * config["rope_parameters"]["partial_rotary_factor"]))
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_expert_count(config["num_local_experts"])
+    w.add_expert_used_count(config["num_experts_per_tok"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(vocab)
+    w.add_token_types([gguf.TokenType.CONTROL] * len(SPECIALS) + [gguf.TokenType.NORMAL] * (len(vocab) - len(SPECIALS)))
+    w.add_token_merges(MERGES)
+    w.add_eos_token_id(2)
+    w.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
+    w.add_tensor("output.weight", state["lm_head.weight"])
+    w.add_tensor("output_norm.weight", state["model.norm.weight"])
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        for hf, name in _NAMES.items():
+            w.add_tensor(f"blk.{i}.{name}.weight", state[f"{p}{hf}.weight"])
+        w.add_tensor(f"blk.{i}.exp_probs_b.bias", state[f"{p}block_sparse_moe.e_score_correction_bias"])
+        for hf, name in (("w1", "ffn_gate_exps"), ("w3", "ffn_up_exps"), ("w2", "ffn_down_exps")):
+            w.add_tensor(f"blk.{i}.{name}.weight", np.stack(
+                [state[f"{p}block_sparse_moe.experts.{e}.{hf}.weight"] for e in range(config["num_local_experts"])]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def test_minimax_m2_gguf_matches_hf(tmp_path):
+    vocab = _vocab()
+    src = make_tiny_family("minimax_m2", tmp_path / "hf", vocab_size=len(vocab))
+    path = _write_gguf(src, str(tmp_path / "tiny.gguf"), vocab)
+    ckpt = load_checkpoint(path, cache_dir=str(tmp_path))
+    assert ckpt.config["model_type"] == "minimax_m2" and ckpt.config["rotary_dim"] == 8
+    ops = CpuOps()
+    model = build_model(ckpt, ops)
+    prompt = np.random.default_rng(1).integers(0, len(vocab), 40).tolist()
+    caches = ModelCaches(model.cache_spec(), ops, 8, 16, 1)
+    batch = contiguous_batch([prompt], [0], [[3, 1, 5]], [0], 16, True)
+    ours = model.forward(batch, caches)
+    ref = hf_logits(load_hf(src), prompt)
+    assert float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref))) <= 1e-4
+
+
+def test_gemma4_gguf_is_refused_naming_the_architecture(tmp_path):
+    path = str(tmp_path / "g.gguf")
+    w = gguf.GGUFWriter(path, "gemma4")
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match="architecture 'gemma4' is not supported"):
+        load_checkpoint(path, cache_dir=str(tmp_path))
