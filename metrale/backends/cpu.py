@@ -351,8 +351,6 @@ class CpuOps:
     # -- ops of the Gemma 4 / MiniMax M2 families (base.FamilyOps) ---------------------------
     def sliding_attention(self, q, k_cache, v_cache, batch, scale, window):
         out = np.empty(q.shape, dtype=F32)
-        hk, d = k_cache.shape[-2:]
-        flat_k, flat_v = k_cache.reshape(-1, hk, d), v_cache.reshape(-1, hk, d)
         for i in range(batch.num_seqs):
             rows = _seq_rows(batch, i)
             if rows.stop == rows.start:
@@ -360,8 +358,9 @@ class CpuOps:
             context = _context_len(batch, i)
             first = max(0, context - window + 1)      # the oldest key any new token still sees
             slots = _seq_slots(batch, i, int(batch.seq_lens[i]))[first:]
-            out[rows] = _attend_window(_f32(q[rows]), _f32(flat_k[slots]), _f32(flat_v[slots]),
-                                       context, scale, window, first)
+            # through the KV dtype's read path, as attention (quantized caches decode here)
+            out[rows] = _attend_window(_f32(q[rows]), _load_kv(k_cache, slots),
+                                       _load_kv(v_cache, slots), context, scale, window, first)
         return self._out(out)
 
     def softcap(self, x, cap):
