@@ -130,6 +130,7 @@ class EngineCore:
         self.runner.swap = self.swap
         self.eos_token_ids: frozenset[int] = frozenset()
         self.grammars: Grammars | None = None   # structured output: set by use_tokenizer
+        self._grammar_problem: str | None = None   # why use_tokenizer left it unset
         self.last_step: StepStats | None = None
         self.num_steps = 0
         if self.ops.name == "cuda":
@@ -352,7 +353,14 @@ class EngineCore:
         """The serving tokenizer: its EOS ids end requests, and constrained requests' grammars
         (metrale.grammar) are matched against its tokens."""
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
-        self.grammars = Grammars(tokenizer, self.model.vocab_size, self.eos_token_ids)
+        try:
+            self.grammars = Grammars(tokenizer, self.model.vocab_size, self.eos_token_ids)
+        except (ValueError, ImportError) as e:
+            # a tokenizer the grammar library cannot read (WordPiece, ...) serves everything
+            # but structured output, which such requests are then refused with this reason
+            self.grammars, self._grammar_problem = None, str(e)
+            log.warning("structured output is off for this model: the grammar library cannot "
+                        "use its tokenizer (%s)", e)
 
     # -- requests ---------------------------------------------------------------------------
     def can_admit(self) -> bool:
@@ -368,8 +376,9 @@ class EngineCore:
         try:
             if req.sampling_params.grammar is not None:
                 if self.grammars is None:
-                    raise ValueError("structured output needs the engine's tokenizer "
-                                     "(EngineCore.use_tokenizer)")
+                    raise ValueError("structured output is not available for this model: "
+                                     + (self._grammar_problem or "the engine has no tokenizer "
+                                        "(EngineCore.use_tokenizer)"))
                 self.grammars.admit(req)
             self.scheduler.add_request(req)
         except BaseException:

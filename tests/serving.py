@@ -42,14 +42,15 @@ def _free(port: int) -> bool:
             return False
 
 
-def make_tiny_chat_model(path: Path) -> Path:
-    """A tiny random llama with a byte-level BPE tokenizer filling its 320-id vocabulary."""
+def make_tiny_chat_model(path: Path, **shape) -> Path:
+    """A tiny random llama with a byte-level BPE tokenizer filling its 320-id vocabulary
+    (`shape`: config overrides, e.g. a head_dim the CUDA kernels instantiate)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     path = Path(path)
     if (path / "tokenizer.json").is_file():
         return path
-    make_tiny("llama", path, max_position_embeddings=4096)
+    make_tiny("llama", path, max_position_embeddings=4096, **shape)
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))

@@ -74,7 +74,9 @@ def test_engine_on_the_gpu_writes_schema_valid_json(tmp_path):
     from metrale.tokenizer import Tokenizer
     from tests.serving import make_tiny_chat_model
 
-    path = make_tiny_chat_model(tmp_path / "model")
+    from test_gpu_models import GPU_SHAPES        # a head_dim the CUDA attention instantiates
+
+    path = make_tiny_chat_model(tmp_path / "model", **GPU_SHAPES)
     core = EngineCore(load_checkpoint(str(path)), EngineConfig(device="cuda", max_seq_len=2048,
                                                                max_batch_size=16))
     tok = Tokenizer.from_dir(path)

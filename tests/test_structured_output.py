@@ -503,3 +503,34 @@ def test_min_tokens_yields_to_a_grammar_that_allows_only_eos():
     res = Sampler(eos_token_ids=[eos]).sample(logits, params, [make_generator(0, 0)],
                                               [((1,), ())], (np.array([0]), bits.view(np.int32)))
     assert res.token_ids[0] == eos
+
+
+def test_a_tokenizer_the_grammar_library_cannot_read_serves_all_but_structured_output(tmp_path):
+    """A checkpoint whose tokenizer llguidance refuses (the ladder's synthetic folders: a
+    WordPiece decoder) loads and generates; a constrained request is refused naming why
+    (the engine failed to load at all before: found on the H200 by the hot-swap memory test)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "perf"))
+    import ladder
+    from metrale.config import EngineConfig
+    from metrale.engine_core import EngineCore
+    from metrale.models.loader import load_checkpoint
+    from metrale.request import Request
+    from metrale.tokenizer import Tokenizer
+
+    folder = ladder.write_model_folder("tiny_llama", tmp_path / "m")
+    core = EngineCore(load_checkpoint(str(folder), load_format="dummy", device="cpu"),
+                      EngineConfig(device="cpu", max_seq_len=256))
+    core.use_tokenizer(Tokenizer.from_dir(folder))          # what the engine process does
+    assert core.grammars is None
+    core.add_request(Request("free", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0,
+                                                               ignore_eos=True)))
+    out = []
+    while core.has_unfinished():
+        out += [t for o in core.step() for t in o.new_token_ids]
+    assert len(out) == 3
+    grammar = grammar_for_response_format({"type": "json_object"})
+    with pytest.raises(ValueError, match="structured output is not available for this model"):
+        core.add_request(Request("json", [5, 6, 7], SamplingParams(max_tokens=3, grammar=grammar)))
