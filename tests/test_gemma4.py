@@ -39,27 +39,6 @@ def ref(ckpt, prompt):
     return fc.reference(ckpt, prompt)
 
 
-def test_one_shot_prefill_matches_hf(ckpt, prompt, ref):
-    fc.check_one_shot(ckpt, prompt, ref)
-
-
-def test_prefill_then_decode_matches_hf(ckpt, prompt, ref):
-    fc.check_prefill_then_decode(ckpt, prompt, ref)
-
-
-@pytest.mark.parametrize("chunk", [1, 5, 16, 64])
-def test_chunked_prefill_matches_hf(ckpt, prompt, ref, chunk):
-    fc.check_chunked(ckpt, prompt, ref, chunk)
-
-
-def test_mixed_batch_matches_each_sequence_alone(ckpt, prompt, ref):
-    fc.check_mixed_batch(ckpt, prompt, ref)
-
-
-def test_engine_greedy_with_prefix_cache_and_batching(ckpt, prompt):
-    fc.check_engine_greedy(ckpt, prompt)
-
-
 def test_sliding_window_and_softcap_change_the_logits(tmp_path, prompt):
     """The features under test are live: without the window mask or without soft-capping the
     logits move well past the tolerance (so the matches above cannot pass by accident)."""

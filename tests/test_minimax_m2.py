@@ -35,27 +35,6 @@ def ref(ckpt, prompt):
     return fc.reference(ckpt, prompt)
 
 
-def test_one_shot_prefill_matches_hf(ckpt, prompt, ref):
-    fc.check_one_shot(ckpt, prompt, ref)
-
-
-def test_prefill_then_decode_matches_hf(ckpt, prompt, ref):
-    fc.check_prefill_then_decode(ckpt, prompt, ref)
-
-
-@pytest.mark.parametrize("chunk", [1, 7, 16, 64])
-def test_chunked_prefill_matches_hf(ckpt, prompt, ref, chunk):
-    fc.check_chunked(ckpt, prompt, ref, chunk)
-
-
-def test_mixed_batch_matches_each_sequence_alone(ckpt, prompt, ref):
-    fc.check_mixed_batch(ckpt, prompt, ref)
-
-
-def test_engine_greedy_with_prefix_cache_and_batching(ckpt, prompt):
-    fc.check_engine_greedy(ckpt, prompt)
-
-
 def _fuse_experts(src: str, dst) -> str:
     """The same checkpoint with the transformers-5 names: mlp.gate, mlp.experts.gate_up_proj
     [E, 2I, H], mlp.experts.down_proj [E, H, I], mlp.e_score_correction_bias."""
