@@ -156,9 +156,9 @@ def with_swap(core: EngineCore, space: SwapSpace | None = None) -> SwapSpace:
     elif not hooked:
         execute = core.runner.execute
 
-        def execute_with_swaps(out, on_launch=None):
+        def execute_with_swaps(out, on_launch=None, masks=None):
             core.swap.execute(out, core.caches)
-            return execute(out, on_launch)
+            return execute(out, on_launch, masks)
 
         core.runner.execute = execute_with_swaps
     return space

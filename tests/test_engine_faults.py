@@ -28,11 +28,11 @@ def test_failed_step_fails_requests_in_flight_and_engine_serves_on(tmp_path):
     real_execute = core.runner.execute
     calls = []
 
-    def failing_once(out, on_launch=None):
+    def failing_once(out, on_launch=None, masks=None):
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("injected fault")
-        return real_execute(out, on_launch)
+        return real_execute(out, on_launch, masks)
 
     core.runner.execute = failing_once
     try:
