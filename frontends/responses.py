@@ -382,6 +382,8 @@ class Responses(Resource):
                         or len(messages) <= 1:
                     if e.param and e.param.startswith("messages"):
                         e.param = "input"
+                    elif e.param and e.param.startswith("response_format"):
+                        e.param = "text.format" + e.param[len("response_format"):]
                     raise
                 messages = _drop_oldest(messages)
 

@@ -534,3 +534,24 @@ def test_a_tokenizer_the_grammar_library_cannot_read_serves_all_but_structured_o
     grammar = grammar_for_response_format({"type": "json_object"})
     with pytest.raises(ValueError, match="structured output is not available for this model"):
         core.add_request(Request("json", [5, 6, 7], SamplingParams(max_tokens=3, grammar=grammar)))
+
+
+# ---- /v1/responses: text.format goes down the same path -----------------------------------------
+
+@pytest.mark.parametrize("name", ["nested", "array_of_objects"])
+def test_responses_text_format_constrains_the_output(client, name):
+    """The Responses API's `text.format` is chat's response_format on the chat path: outputs
+    from noise validate; a schema the grammar refuses is a 400 naming text.format."""
+    schema = SCHEMAS[name]
+    fmt = {"type": "json_schema", "name": name, "schema": schema, "strict": True}
+    for _ in range(2):
+        resp = client.responses.create(model=MODEL, input="give me JSON", store=False,
+                                       temperature=1.0, max_output_tokens=1500,
+                                       text={"format": fmt})
+        assert resp.status == "completed", resp
+        _validate(resp.output_text, schema)
+    bad = {"type": "json_schema", "name": "bad", "strict": True,
+           "schema": {"type": "object", "not": {"required": ["a"]}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="x", store=False, text={"format": bad})
+    assert (e.value.body or {}).get("param", "").startswith("text.format"), e.value.body
