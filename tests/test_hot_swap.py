@@ -205,12 +205,21 @@ def test_after_a_swap_the_new_models_tokenizer_and_template_serve(server, models
 
     swap_to(server.url, recipe=BRAVO)
     tok = Tokenizer.from_file(str(models["bravo"] / "tokenizer.json"))
+    def tokenize(body):
+        """A worker that has not fetched the new model_info yet answers 503 + Retry-After
+        for a moment: retry as a client should."""
+        for _ in range(50):
+            r = requests.post(server.url + "/tokenize", json=body, timeout=30,
+                              headers={"Connection": "close"})
+            if r.status_code != 503:
+                return r
+            assert r.headers.get("Retry-After")
+            time.sleep(0.2)
+        return r
     for _ in range(4):      # both workers
-        r = requests.post(server.url + "/tokenize", json={"prompt": " w7 w8"}, timeout=30,
-                          headers={"Connection": "close"})
+        r = tokenize({"prompt": " w7 w8"})
         assert r.json()["tokens"] == tok.encode(" w7 w8").ids and r.json()["count"] == 2
-        r = requests.post(server.url + "/tokenize", json={"messages": HELLO}, timeout=30,
-                          headers={"Connection": "close"})
+        r = tokenize({"messages": HELLO})
         prompt = Template(CHATML).render(messages=HELLO, add_generation_prompt=True)
         assert r.json()["tokens"] == tok.encode(prompt, add_special_tokens=False).ids
     assert chat(server.url, max_tokens=3).json()["model"] == BRAVO
