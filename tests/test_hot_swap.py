@@ -462,12 +462,8 @@ def test_release_frees_every_object_of_the_model(models):
 def test_gpu_memory_after_ten_swaps_is_back_to_within_one_percent(tmp_path):
     """Two real shapes with synthetic weights swapped ten times: the device memory in use after
     each load is within 1 % of the first load's."""
-    from metrale.backends import cuda_available
     from metrale.engine_process import load_engine
     from metrale.swap import memory_figures, release
-
-    if not cuda_available():
-        pytest.skip("needs a CUDA GPU")
     from perf.ladder import write_model_folder
 
     folders = [write_model_folder(s, tmp_path / s) for s in ("smollm2_135m", "qwen3_5_9b")]

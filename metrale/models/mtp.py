@@ -273,9 +273,9 @@ def build_mtp(ckpt: Checkpoint, ops, model: CausalLM) -> MtpHead:
     fc = w.host("fc.weight", (hidden, 2 * hidden))
     if is_quantized(fc):        # small ([H, 2H]): read dequantised, then split by columns
         fc = dense(fc)
-    if not isinstance(fc, np.ndarray) and hasattr(fc, "get"):
-        fc = fc.get()           # synthetic benchmark weights are generated on the GPU
-    fc_embedding, fc_hidden = (ops.asarray(np.ascontiguousarray(fc[:, c])) for c in
+    # .copy(): a contiguous half in the array's own library (numpy, or CuPy for checkpoints
+    # synthesised on the GPU: Weights.host)
+    fc_embedding, fc_hidden = (ops.asarray(fc[:, c].copy()) for c in
                                (slice(0, hidden), slice(hidden, 2 * hidden)))
     return MtpHead(ops, model.embed, model.lm_head, fc_embedding, fc_hidden,
                    w.get("pre_fc_norm_embedding.weight", (hidden,)),
