@@ -79,6 +79,7 @@ class GpuSampler:
         self.rows = SamplerParamRows(self.vocab_size, self.num_slots, self.max_batch, self._rng,
                                      out=stage)
         self._slot_seed = self.rows.slot_seed
+        self._mask_mem = self._mask_stage = self._mask_dev = None   # grammar masks (_mask)
         self._slot_seeded = self.rows.slot_seeded
 
     # -- the stream that seeds rows without a seed ---------------------------------------------
@@ -168,10 +169,22 @@ class GpuSampler:
         return res
 
     def _mask(self, logits, ld: int, rows, bits) -> None:
-        """logits[rows[i], v] = -inf where bit v of bits[i] is 0 (kernels_cuda/sampling.cu)."""
-        rows = cp.asarray(np.ascontiguousarray(rows, dtype=np.int32))
-        bits = cp.asarray(np.ascontiguousarray(bits, dtype=np.int32))
+        """logits[rows[i], v] = -inf where bit v of bits[i] is 0 (kernels_cuda/sampling.cu).
+        rows and bits go through a pinned staging buffer in one asynchronous copy on the current
+        stream (a pageable cp.asarray would block the host until the forward ahead of it has
+        finished, serialising the sampler's launches behind it); the staging is rewritten only
+        after the step's tokens came back."""
+        n, W = len(rows), int(bits.shape[1])
+        M = self.max_batch                      # layout: rows [M], then bits [n, W] contiguous
+        if self._mask_stage is None or self._mask_stage.size < M * (W + 1):
+            self._mask_mem = cp.cuda.alloc_pinned_memory(M * (W + 1) * 4)
+            self._mask_stage = np.frombuffer(self._mask_mem, np.int32, M * (W + 1))
+            self._mask_dev = cp.empty(M * (W + 1), dtype=cp.int32)
+        used = M + n * W
+        self._mask_stage[:n] = rows
+        self._mask_stage[M:used] = np.asarray(bits, dtype=np.int32).reshape(-1)
+        self._mask_dev[:used].set(self._mask_stage[:used], stream=cp.cuda.get_current_stream())
         V = self.vocab_size
         _kernel(self.ops, "sampling.cu", f"grammar_mask_{_sfx(logits)}")(
-            ((V + 1023) // 1024, int(rows.size)), (256,), logits=logits, ld=ld, rows=rows,
-            bits=bits, W=int(bits.shape[1]), V=V)
+            ((V + 1023) // 1024, n), (256,), logits=logits, ld=ld, rows=self._mask_dev[:n],
+            bits=self._mask_dev[M:used], W=W, V=V)
