@@ -35,8 +35,23 @@
 //                       with q0 >= its sequence's new-token count does nothing (a fixed-size
 //                       list is padded with such items: the captured step graphs).
 //                       FLOPs: 4 * D * Hq * sum over rows of visible keys (~half a square).
+//
+// fp8 KV (`--kv-cache-dtype fp8`, the layout of metrale/cache/kv_dtypes.py): the same kernels
+// with the suffix `_fp8` (decode_mma_fp8_d<D>_h<NH>, prefill_mma_fp8_d<D>) read k_cache /
+// v_cache as byte pools [num_blocks, kv_block_bytes]: block blk holds the e4m3 values of its
+// (token t, kv head h) vectors at blk * kv_block_bytes + (t * Hk + h) * D and their fp32 scales
+// at blk * kv_block_bytes + kv_scale_off + (t * Hk + h) * 4 (written by kernels_cuda/kv_quant.cu).
+// Tiles land in shared memory as bytes (cp.async, half the bf16 traffic plus 4 bytes per vector)
+// and are dequantised there into the bf16 tile the mma code reads: bf16(value * scale), the
+// rounding a bf16 cache applies to the same vector, so an fp8 kernel equals the bf16 kernel over
+// a cache holding bf16(dequantised) bit for bit (tests/test_cuda_kv_fp8.py). Decode: each warp
+// dequantises its own tile (no block barrier); prefill: the CTA dequantises each stage between
+// two barriers. Bytes: 2 * seq_len * Hk * (D + 4) per decode token.
 // Details above each implementation and in kernels_cuda/README.md.
 #include "common.cuh"
+
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 typedef __nv_bfloat16 bf16;
 
@@ -88,6 +103,43 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low 16 bits) = lo
     return *reinterpret_cast<unsigned*>(&v);
 }
+// 4-byte cp.async (the fp8 KV scales), zero-filled when !valid
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    const int n = valid ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+}
+
+// fp8 KV: byte offsets of token `tok`'s vector (kv head kvh) in its block: values, then scale
+struct Kv8Vec {
+    long long values, scale;
+};
+__device__ __forceinline__ Kv8Vec kv8_vec(const int* bt_row, int tok, int block_size, int Hk,
+                                          int kvh, int D, long long block_bytes, int scale_off) {
+    const long long blk = (long long)bt_row[tok / block_size] * block_bytes;
+    const long long vec = (long long)(tok % block_size) * Hk + kvh;
+    return {blk + vec * D, blk + scale_off + vec * 4};
+}
+
+// 16 e4m3 values (one 16-byte chunk) times `scale` -> 16 bf16 at dst (16-byte aligned):
+// e4m3 -> f16 is exact (cvt.rn.f16x2.e4m3x2), the product is fp32, one rounding to bf16
+__device__ __forceinline__ void dequant16_fp8(bf16* dst, const unsigned char* src, float scale) {
+    const uint4 w = *reinterpret_cast<const uint4*>(src);
+    const unsigned ws[4] = {w.x, w.y, w.z, w.w};
+    unsigned o[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(
+                static_cast<__nv_fp8x2_storage_t>(ws[i] >> (16 * j)), __NV_E4M3);
+            const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&hr));
+            o[2 * i + j] = pack_bf16(f.x * scale, f.y * scale);
+        }
+    reinterpret_cast<uint4*>(dst)[0] = make_uint4(o[0], o[1], o[2], o[3]);
+    reinterpret_cast<uint4*>(dst)[1] = make_uint4(o[4], o[5], o[6], o[7]);
+}
+
 template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
@@ -100,9 +152,9 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 // S = Q K^T and O += P V on mma.sync; online softmax in fp32 (log2 domain), P rounded to bf16 as
 // the A operand of P V straight from the S accumulators. Causal mask only on tiles that cross
 // the diagonal of the CTA's first token.
-template <int D, int BN, int NW, bool QREG>
+template <int D, int BN, int NW, bool QREG, bool FP8>
 __device__ void prefill_mma_impl(const bf16* q, long long qs_t, long long qs_h,
-                                 const bf16* k_cache, const bf16* v_cache,
+                                 const void* k_pool, const void* v_pool, long long kv_bb, int kv_so,
                                  const int* block_tables, int bt_stride,
                                  const int* seq_lens, const int* qsl,
                                  const int* work, bf16* out, int Hk, int G,
@@ -112,10 +164,18 @@ __device__ void prefill_mma_impl(const bf16* q, long long qs_t, long long qs_h,
     constexpr int NB = BN / 8;   // S n-tiles
     constexpr int ND = D / 8;    // O n-tiles
     static_assert(BN % 16 == 0 && D % 16 == 0, "tile shapes");
+    constexpr int CH16 = D / 16;                       // fp8: 16-byte chunks per vector
+    constexpr int SSTAGE = 2 * BN * D + 2 * BN * 4;    // fp8 stage bytes: K, V values; K, V scales
+    const bf16* k_cache = static_cast<const bf16*>(k_pool);
+    const bf16* v_cache = static_cast<const bf16*>(v_pool);
+    const unsigned char* k8 = static_cast<const unsigned char*>(k_pool);
+    const unsigned char* v8 = static_cast<const unsigned char*>(v_pool);
 
     extern __shared__ __align__(16) unsigned char smem[];
     bf16* Qs = reinterpret_cast<bf16*>(smem);  // [BM][LDS]
     bf16* KV = Qs + BM * LDS;                   // stage s: K [BN][LDS] at KV + s*2*BN*LDS, V after
+    // fp8: KV is one bf16 tile (K then V), the byte stages follow it
+    unsigned char* stage8 = reinterpret_cast<unsigned char*>(KV + 2 * BN * LDS);
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, tq = lane & 3;
@@ -149,6 +209,27 @@ __device__ void prefill_mma_impl(const bf16* q, long long qs_t, long long qs_h,
         bf16* Ks = KV + (tile & 1) * 2 * BN * LDS;
         bf16* Vs = Ks + BN * LDS;
         const int j0 = tile * BN;
+        if constexpr (FP8) {
+            unsigned char* st = stage8 + (tile & 1) * SSTAGE;
+#pragma unroll
+            for (int i = 0; i < (BN * CH16 + NT - 1) / NT; ++i) {
+                const int c = tid + NT * i;
+                if ((BN * CH16) % NT == 0 || c < BN * CH16) {
+                    const int row = c / CH16, ch = c % CH16;
+                    const bool valid = j0 + row < kv_end;
+                    Kv8Vec a{0, 0};
+                    if (valid) a = kv8_vec(bt_row, j0 + row, block_size, Hk, kvh, D, kv_bb, kv_so);
+                    mt::cp_async16(st + row * D + ch * 16, k8 + a.values + ch * 16, valid);
+                    mt::cp_async16(st + (BN + row) * D + ch * 16, v8 + a.values + ch * 16, valid);
+                    if (ch == 0) {  // the row's scales: K's, then V's after BN of them
+                        cp_async4(st + 2 * BN * D + row * 4, k8 + a.scale, valid);
+                        cp_async4(st + 2 * BN * D + (BN + row) * 4, v8 + a.scale, valid);
+                    }
+                }
+            }
+            mt::cp_async_commit();
+            return;
+        }
 #pragma unroll
         for (int i = 0; i < (BN * CH + NT - 1) / NT; ++i) {
             const int c = tid + NT * i;
@@ -201,7 +282,16 @@ __device__ void prefill_mma_impl(const bf16* q, long long qs_t, long long qs_h,
             cp_async_wait<0>();
         }
         __syncthreads();
-        const bf16* Ks = KV + (it & 1) * 2 * BN * LDS;
+        if constexpr (FP8) {  // this stage's bytes -> the bf16 tile, K then V
+            const unsigned char* st = stage8 + (it & 1) * SSTAGE;
+            const float* sc = reinterpret_cast<const float*>(st + 2 * BN * D);
+            for (int c = tid; c < 2 * BN * CH16; c += NT) {
+                const int row = c / CH16, ch = c % CH16;  // rows BN.. are V's
+                dequant16_fp8(KV + row * LDS + ch * 16, st + row * D + ch * 16, sc[row]);
+            }
+            __syncthreads();
+        }
+        const bf16* Ks = FP8 ? KV : KV + (it & 1) * 2 * BN * LDS;
         const bf16* Vs = Ks + BN * LDS;
 
         float s[NB][4];
@@ -322,9 +412,9 @@ __device__ void prefill_mma_impl(const bf16* q, long long qs_t, long long qs_h,
 // to 4 * (STAGES - 1) tiles of K and V are in flight per CTA. The warps' partial (m, l, O) are
 // merged through shared memory at the end. Per-thread softmax sums are kept partial (this lane's
 // keys) and reduced once.
-template <int D, int NH, int STAGES>
+template <int D, int NH, int STAGES, bool FP8>
 __device__ void decode_mma_impl(const bf16* q, long long qs_t, long long qs_h,
-                                const bf16* k_cache, const bf16* v_cache,
+                                const void* k_pool, const void* v_pool, long long kv_bb, int kv_so,
                                 const int* block_tables, int bt_stride,
                                 const int* seq_lens, const int* qsl,
                                 bf16* out, float* part_o,
@@ -336,11 +426,20 @@ __device__ void decode_mma_impl(const bf16* q, long long qs_t, long long qs_h,
     constexpr int NACC = KS < 4 ? KS : (NH == 1 ? 4 : 2);  // independent accumulator chains for S^T
     constexpr int CPL = TK * CH / 32;              // 16-byte chunks per lane per tile (K or V)
     static_assert((TK * CH) % 32 == 0, "tile chunks");
+    constexpr int CH16 = D / 16, CPL8 = TK * CH16 / 32;   // fp8: 16-byte chunks per vector, per lane
+    constexpr int SSTAGE = 2 * TK * D + 2 * TK * 4;       // fp8 stage bytes: K, V values; K, V scales
+    const bf16* k_cache = static_cast<const bf16*>(k_pool);
+    const bf16* v_cache = static_cast<const bf16*>(v_pool);
+    const unsigned char* k8 = static_cast<const unsigned char*>(k_pool);
+    const unsigned char* v8 = static_cast<const unsigned char*>(v_pool);
 
     extern __shared__ __align__(16) unsigned char smem[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, tq = lane & 3;
     bf16* wbuf = reinterpret_cast<bf16*>(smem) + warp * STAGES * STAGE;
+    // fp8: per warp STAGES byte stages, then its bf16 tile (K [TK][LDS], V after)
+    unsigned char* sbuf = smem + warp * (STAGES * SSTAGE + 2 * TK * LDS * 2);
+    bf16* tile8 = reinterpret_cast<bf16*>(sbuf + STAGES * SSTAGE);
 
     const int b = blockIdx.x;
     const int kvh = blockIdx.y / nchunks;
@@ -366,7 +465,31 @@ __device__ void decode_mma_impl(const bf16* q, long long qs_t, long long qs_h,
 
     // issue tile k of this warp (tile index warp + NW * k) into its stage; always commits a group
     auto issue = [&](int k) {
-        if (k < nmine) {
+        if (FP8 && k < nmine) {
+            const int j0 = kv_begin + (warp + NW * k) * TK;
+            unsigned char* st = sbuf + (k % STAGES) * SSTAGE;
+            long long my_val = 0, my_sc = 0;
+            if (lane < TK && j0 + lane < kv_end) {
+                const Kv8Vec a = kv8_vec(bt_row, j0 + lane, block_size, Hk, kvh, D, kv_bb, kv_so);
+                my_val = a.values;
+                my_sc = a.scale;
+            }
+            {   // scales: lanes 0-15 K's rows, 16-31 V's
+                const int row = lane & 15;
+                const long long off = __shfl_sync(0xffffffffu, my_sc, row);
+                const bool valid = j0 + row < kv_end;
+                cp_async4(st + 2 * TK * D + lane * 4, (lane < TK ? k8 : v8) + off, valid);
+            }
+#pragma unroll
+            for (int i = 0; i < CPL8; ++i) {
+                const int c = lane + 32 * i;
+                const int row = c / CH16, ch = c % CH16;
+                const long long off = __shfl_sync(0xffffffffu, my_val, row) + ch * 16;
+                const bool valid = j0 + row < kv_end;
+                mt::cp_async16(st + row * D + ch * 16, valid ? k8 + off : k8, valid);
+                mt::cp_async16(st + (TK + row) * D + ch * 16, valid ? v8 + off : v8, valid);
+            }
+        } else if (!FP8 && k < nmine) {
             const int j0 = kv_begin + (warp + NW * k) * TK;
             bf16* Ks = wbuf + (k % STAGES) * STAGE;
             bf16* Vs = Ks + TK * LDS;
@@ -423,7 +546,18 @@ __device__ void decode_mma_impl(const bf16* q, long long qs_t, long long qs_h,
         cp_async_wait<STAGES - 2>();
         __syncwarp();
         issue(k + STAGES - 1);  // into the stage this warp finished reading last iteration
-        const bf16* Ks = wbuf + (k % STAGES) * STAGE;
+        if constexpr (FP8) {      // this stage's bytes -> the warp's bf16 tile, K then V
+            const unsigned char* st = sbuf + (k % STAGES) * SSTAGE;
+            const float* sc = reinterpret_cast<const float*>(st + 2 * TK * D);
+#pragma unroll
+            for (int i = 0; i < 2 * CPL8; ++i) {
+                const int c = lane + 32 * i;
+                const int row = c / CH16, ch = c % CH16;  // rows TK.. are V's
+                dequant16_fp8(tile8 + row * LDS + ch * 16, st + row * D + ch * 16, sc[row]);
+            }
+            __syncwarp();
+        }
+        const bf16* Ks = FP8 ? tile8 : wbuf + (k % STAGES) * STAGE;
         const bf16* Vs = Ks + TK * LDS;
         const int j0 = kv_begin + (warp + NW * k) * TK;
 
@@ -562,7 +696,7 @@ extern "C" __global__ void decode_reduce(const float* part_o, const float* part_
     mt::pdl_exit();
 }
 
-// Entry points. Tiling must match metrale/backends/cuda/attention.py
+// Entry points (bf16 KV, then fp8 KV). Tiling must match metrale/backends/cuda/attention.py
 // (ATTN_MMA_PREFILL, ATTN_MMA_DECODE_STAGES): prefill 8 warps / 128 rows, BN keys per tile;
 // decode 4 warps, 16-key tiles, STAGES-deep per-warp pipelines, 8 * NH q heads per CTA.
 #define MT_PREFILL_MMA(D, BN, QREG)                                                                   \
@@ -570,8 +704,19 @@ extern "C" __global__ void decode_reduce(const float* part_o, const float* part_
         const bf16* q, long long qs_t, long long qs_h, const bf16* k_cache, const bf16* v_cache,    \
         const int* block_tables, int bt_stride, const int* seq_lens, const int* qsl,                 \
         const int* work, bf16* out, int Hk, int G, int BQ, int block_size, float scale_log2) { mt::pdl_enter(); \
-        prefill_mma_impl<D, BN, 8, QREG>(q, qs_t, qs_h, k_cache, v_cache, block_tables, bt_stride,  \
-                                         seq_lens, qsl, work, out, Hk, G, BQ, block_size, scale_log2); \
+        prefill_mma_impl<D, BN, 8, QREG, false>(q, qs_t, qs_h, k_cache, v_cache, 0, 0, block_tables, \
+                                                bt_stride, seq_lens, qsl, work, out, Hk, G, BQ,      \
+                                                block_size, scale_log2);                             \
+        mt::pdl_exit();                                                                                \
+    }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256, 1) prefill_mma_fp8_d##D(                       \
+        const bf16* q, long long qs_t, long long qs_h, const unsigned char* k_cache,                 \
+        const unsigned char* v_cache, long long kv_block_bytes, int kv_scale_off,                    \
+        const int* block_tables, int bt_stride, const int* seq_lens, const int* qsl,                 \
+        const int* work, bf16* out, int Hk, int G, int BQ, int block_size, float scale_log2) { mt::pdl_enter(); \
+        prefill_mma_impl<D, BN, 8, QREG, true>(q, qs_t, qs_h, k_cache, v_cache, kv_block_bytes,     \
+                                               kv_scale_off, block_tables, bt_stride, seq_lens, qsl, \
+                                               work, out, Hk, G, BQ, block_size, scale_log2);        \
         mt::pdl_exit();                                                                                \
     }
 #define MT_DECODE_MMA(D, NH, STAGES)                                                                  \
@@ -580,9 +725,22 @@ extern "C" __global__ void decode_reduce(const float* part_o, const float* part_
         const int* block_tables, int bt_stride, const int* seq_lens, const int* qsl, bf16* out,      \
         float* part_o, float* part_m, float* part_l, int Hk, int G, int nchunks, int block_size,     \
         int part_tokens, int nparts, float scale_log2) { mt::pdl_enter();                            \
-        decode_mma_impl<D, NH, STAGES>(q, qs_t, qs_h, k_cache, v_cache, block_tables, bt_stride,     \
-                                       seq_lens, qsl, out, part_o, part_m, part_l, Hk, G, nchunks,   \
-                                       block_size, part_tokens, nparts, scale_log2);                 \
+        decode_mma_impl<D, NH, STAGES, false>(q, qs_t, qs_h, k_cache, v_cache, 0, 0, block_tables,  \
+                                              bt_stride, seq_lens, qsl, out, part_o, part_m, part_l, \
+                                              Hk, G, nchunks, block_size, part_tokens, nparts,       \
+                                              scale_log2);                                           \
+        mt::pdl_exit();                                                                              \
+    }                                                                                                \
+    extern "C" __global__ void __launch_bounds__(128) decode_mma_fp8_d##D##_h##NH(                   \
+        const bf16* q, long long qs_t, long long qs_h, const unsigned char* k_cache,                 \
+        const unsigned char* v_cache, long long kv_block_bytes, int kv_scale_off,                    \
+        const int* block_tables, int bt_stride, const int* seq_lens, const int* qsl, bf16* out,      \
+        float* part_o, float* part_m, float* part_l, int Hk, int G, int nchunks, int block_size,     \
+        int part_tokens, int nparts, float scale_log2) { mt::pdl_enter();                            \
+        decode_mma_impl<D, NH, STAGES, true>(q, qs_t, qs_h, k_cache, v_cache, kv_block_bytes,       \
+                                             kv_scale_off, block_tables, bt_stride, seq_lens, qsl,   \
+                                             out, part_o, part_m, part_l, Hk, G, nchunks,            \
+                                             block_size, part_tokens, nparts, scale_log2);           \
         mt::pdl_exit();                                                                              \
     }
 

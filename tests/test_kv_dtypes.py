@@ -331,12 +331,16 @@ def test_head_dims_a_format_cannot_take_are_refused(tiny):
 
 # -- the CUDA refusal and the flags -------------------------------------------------------------
 
-def test_cuda_refuses_quantized_kv_until_its_kernels_exist():
-    for dtype in ("fp8", "nvfp4", "turbo3", "bf16k_turbo3v"):
+def test_cuda_runs_fp8_kv_and_refuses_the_dtypes_without_kernels():
+    for dtype in ("nvfp4", "turbo3", "bf16k_turbo3v", "fp8k_nvfp4v"):
         with pytest.raises(ConfigError, match=f"kv-cache-dtype {dtype} is not implemented on the "
                                               f"CUDA backend yet"):
             EngineConfig(kv_cache_dtype=dtype).validate().check_backend("cuda")
         EngineConfig(kv_cache_dtype=dtype).validate().check_backend("cpu")
+    EngineConfig(kv_cache_dtype="fp8").validate().check_backend("cuda")
+    with pytest.raises(ConfigError, match="--fp8-kv-calibration-tokens 64 is not implemented on "
+                                          "the CUDA backend"):
+        EngineConfig(kv_cache_dtype="fp8", fp8_kv_calibration_tokens=64).validate().check_backend("cuda")
     EngineConfig().validate().check_backend("cuda")
     assert EngineConfig().kv_cache_dtype == "bf16"
     with pytest.raises(ConfigError, match="--kv-cache-dtype must be one of bf16, fp8"):

@@ -10,11 +10,13 @@ import numpy as np
 
 from metrale.backends.base import compose_qk_norm_rope_write_kv
 from metrale.backends.cuda.kernels import declare
+from metrale.backends.cuda.kv_quant import write_kv_quant
 from metrale.backends.cuda.layout import F32, SplitK
 from metrale.backends.cuda.layout import SUFFIX as _SUFFIX
 from metrale.backends.cuda.layout import aligned as _aligned
 from metrale.backends.cuda.layout import block_for as _block_for
 from metrale.backends.cuda.layout import estride as _estride
+from metrale.cache.kv_dtypes import is_quantized_kv
 from metrale.models.checkpoint import CheckpointError
 
 # kernels_cuda/elementwise.cu, one instantiation per storage type ({} = bf16 | f32)
@@ -247,6 +249,8 @@ def rope(ops, q, k, positions, inv_freq, rotary_dim):
 
 def write_kv(ops, k, v, k_cache, v_cache, batch):
     k, v = ops._heads(k), ops._heads(v)
+    if is_quantized_kv(k_cache) or is_quantized_kv(v_cache):
+        return write_kv_quant(ops, k, v, k_cache, v_cache, batch)
     t, hk, d = k.shape
     if not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype):
         raise TypeError(f"write_kv: k {k.dtype}, v {v.dtype}, caches {k_cache.dtype}/{v_cache.dtype} differ")
@@ -275,7 +279,7 @@ def qk_norm_rope_write_kv(ops, q, k, v, q_norm_w, k_norm_w, eps, offset, positio
     hk = k.shape[1]
     rot = int(rotary_dim)
     dt = np.dtype(q.dtype)
-    ok = (dt in _SUFFIX and k.dtype == dt and v.dtype == dt and k_cache.dtype == dt and v_cache.dtype == dt
+    ok = (not (is_quantized_kv(k_cache) or is_quantized_kv(v_cache)) and dt in _SUFFIX and k.dtype == dt and v.dtype == dt and k_cache.dtype == dt and v_cache.dtype == dt
           and tuple(k.shape) == (t, hk, d) and tuple(v.shape) == (t, hk, d)
           and k_cache.ndim >= 2 and tuple(k_cache.shape[-2:]) == (hk, d)
           and tuple(v_cache.shape) == tuple(k_cache.shape)
