@@ -644,7 +644,7 @@ __device__ __forceinline__ void gemvqt_fp8_chunk(float (&acc)[NW][4], const uint
 // Tensor-core decode GEMVs with the weights as the A operand (gemvq_*_t8_w*; "v2" of the decode path:
 // metrale/levers.py METRALE_QUANT_GEMV, quant.py picks them for 1-8 rows; gemvq_* above are v1):
 // y = x @ dequant(w)^T for nt <= 8 rows of x, one mma.sync m16n8k16 per 16 weight rows x 16 k,
-// the 8 rows of x the B operand (n = the row of x; rows past nt are zeros). Why: the CUDA-core
+// the 8 rows of x the B operand (n = the row of x; columns past nt repeat row nt - 1, never stored). Why: the CUDA-core
 // GEMVs spend per weight element an fp32 FMA per row of x, an f16 -> f32 conversion and the
 // decode; on sm_90 the nvfp4 one issued 182 instructions per 16-byte weight vector (cuobjdump
 // -sass of gemvq_nvfp4_t1_r4's loop: LOP3 37, PRMT 32, HADD2 34, FFMA 34, IMAD 20, SHF 11),
@@ -674,8 +674,14 @@ __device__ __forceinline__ void gemvqt_fp8_chunk(float (&acc)[NW][4], const uint
 // into bf16 bits (sign to bit 15 / 31, the magnitude's 3 bits to 6..8 / 22..24: the value times
 // 2^-126, code 1 / 9 a bf16 subnormal), then one bf16 multiply by the 16-column group's e4m3
 // scale times 2^119 (exact: <= 6 significant bits, range 2^-17 .. 21); the row's sum times
-// g * 2^7 at the end. Per 16-byte weight vector (SASS of the loop, NW = 2, see the notes in
-// perf/quant_gemv.py's docstring): ~90 instructions for nvfp4, ~45 for fp8.
+// g * 2^7 at the end.
+// Instructions per 16-byte weight vector (cuobjdump -sass of the main loop over its 16 weight
+// loads, sm_90, CUDA 13.0), any nt <= 8: nvfp4 w2 108 (LOP3 32, IMAD 27, HMUL2 16, SHF 9, PRMT 4,
+// HMMA 4), w1 116 (PRMT 8); fp8 w2 62 (F2FP 16, HADD2 16, IMAD 9, SHF 6, HMMA 2), w1 66. The
+// v1 GEMVs: nvfp4 t1_r4 182, t8_r4 505; fp8 t1_r4 65, t8_r4 236. An SM issues ~126 warp
+// instructions in the time copy bandwidth brings it 16 bytes per lane of a warp
+// (4.27 TB/s / 132 SMs / 1.98 GHz = 16.3 B per clock, 4 issues per clock).
+// Registers: 128 (4 CTAs per SM), nvfp4 w2 164 (3); 0 spills.
 // Scales: fp8 per chunk on the fp32 partial sums (per row: rows g and g + 8 each read theirs),
 // or per row at the end when a block spans all columns; nvfp4 in the fragments.
 // Reduction across the k-split warps in shared memory, fixed order (deterministic).
@@ -695,6 +701,14 @@ __device__ __forceinline__ void ldg16_w_keep(uint4& v, const void* p, bool pred)
         : "l"(p), "r"(static_cast<int>(pred)));
 }
 
+// 16 bytes of an activation, coherent (see common.cuh), unpredicated (no zero fill to issue)
+__device__ __forceinline__ uint4 ldg16_x_all(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
 template <int U, int NW>
 __device__ __forceinline__ void gemvqt_load(uint4 (&wv)[U][NW][2], const uint8_t* const (&wrow)[NW][2], int c0,
                                             int ksplit, int chunks) {
@@ -711,7 +725,7 @@ __device__ __forceinline__ void gemvqt_load(uint4 (&wv)[U][NW][2], const uint8_t
 // gemvq_*_t8_w*: the math of U chunks whose weights are in wv
 template <bool FP4, int U, int NW>
 __device__ __forceinline__ void gemvqt_round(float (&acc)[NW][4], const uint4 (&wv)[U][NW][2], const __nv_bfloat16* xrow,
-                                             bool xin, const void* s, long long s_ld, int s_rlog2, int s_clog2,
+                                             const void* s, long long s_ld, int s_rlog2, int s_clog2,
                                              const int (&row)[NW][2], int c0, int ksplit, int chunks, bool chunk_scale) {
     constexpr int EPC = FP4 ? 128 : 64;
     constexpr int EPV = EPC / 4;
@@ -723,7 +737,7 @@ __device__ __forceinline__ void gemvqt_round(float (&acc)[NW][4], const uint4 (&
         uint32_t xw[EPV / 2];            // this lane's EPV elements of the chunk, row g of x
 #pragma unroll
         for (int q = 0; q < EPV / 8; ++q) {
-            const uint4 r = ldg16_x(reinterpret_cast<const uint4*>(xrow + static_cast<long long>(ch) * EPC) + q, xin);
+            const uint4 r = ldg16_x_all(reinterpret_cast<const uint4*>(xrow + static_cast<long long>(ch) * EPC) + q);
             xw[4 * q] = r.x; xw[4 * q + 1] = r.y; xw[4 * q + 2] = r.z; xw[4 * q + 3] = r.w;
         }
         if constexpr (FP4) {
@@ -759,7 +773,7 @@ __device__ __forceinline__ void gemvqt(const __nv_bfloat16* x, long long x_ld, c
             row[t][h] = min(n0 + 16 * t + gq + 8 * h, n - 1);
             wrow[t][h] = w + static_cast<long long>(row[t][h]) * w_ld + 16 * cq;
         }
-    const bool xin = gq < nt;                    // B columns past nt: zeros
+    // B column g: row g of x; columns past nt read row nt - 1 (in bounds; their sums are never stored)
     const __nv_bfloat16* xrow = x + static_cast<long long>(min(gq, nt - 1)) * x_ld + EPV * cq;
 
     float acc[NW][4];
@@ -776,10 +790,10 @@ __device__ __forceinline__ void gemvqt(const __nv_bfloat16* x, long long x_ld, c
     const int round = ksplit * U;
     for (int c0 = slice; c0 < chunks; c0 += 2 * round) {
         gemvqt_load<U, NW>(wb, wrow, c0 + round, ksplit, chunks);
-        gemvqt_round<FP4, U, NW>(acc, wa, xrow, xin, s, s_ld, s_rlog2, s_clog2, row, c0, ksplit, chunks, chunk_scale);
+        gemvqt_round<FP4, U, NW>(acc, wa, xrow, s, s_ld, s_rlog2, s_clog2, row, c0, ksplit, chunks, chunk_scale);
         if (c0 + round >= chunks) break;
         gemvqt_load<U, NW>(wa, wrow, c0 + 2 * round, ksplit, chunks);
-        gemvqt_round<FP4, U, NW>(acc, wb, xrow, xin, s, s_ld, s_rlog2, s_clog2, row, c0 + round, ksplit, chunks,
+        gemvqt_round<FP4, U, NW>(acc, wb, xrow, s, s_ld, s_rlog2, s_clog2, row, c0 + round, ksplit, chunks,
                                  chunk_scale);
     }
     if (ks_log2 > 0) {
@@ -818,8 +832,8 @@ __device__ __forceinline__ void gemvqt(const __nv_bfloat16* x, long long x_ld, c
         }
 }
 
-#define MT_GEMVQT(FMT, FP4, NW, SUF, O)                                                                \
-    extern "C" __global__ void __launch_bounds__(GEMVQ_WARPS * 32, 1) gemvq_##FMT##_t8_w##NW##SUF(       \
+#define MT_GEMVQT(FMT, FP4, NW, SUF, O, MINB)                                                                \
+    extern "C" __global__ void __launch_bounds__(GEMVQ_WARPS * 32, MINB) gemvq_##FMT##_t8_w##NW##SUF(         \
         const __nv_bfloat16* x, long long x_ld, const uint8_t* w, long long w_ld, const void* s,      \
         long long s_ld, int s_rlog2, int s_clog2, const float* g, O* y, long long y_ld, int nt, int n, \
         int k, int ks_log2) {                                                                        \
@@ -827,14 +841,16 @@ __device__ __forceinline__ void gemvqt(const __nv_bfloat16* x, long long x_ld, c
         mt::pdl_exit();                                                                              \
     }
 
-#define MT_GEMVQT_W(NW)                                 \
-    MT_GEMVQT(fp8, false, NW, , __nv_bfloat16)          \
-    MT_GEMVQT(fp8, false, NW, _f32, float)              \
-    MT_GEMVQT(nvfp4, true, NW, , __nv_bfloat16)         \
-    MT_GEMVQT(nvfp4, true, NW, _f32, float)
+// MINB: CTAs per SM the register budget is set for (4: <= 128 registers; nvfp4 w2 spills there
+// and gets 3: <= 168), so 12-16 warps per SM keep their next round's loads in flight
+#define MT_GEMVQT_W(NW, MINB_FP4)                              \
+    MT_GEMVQT(fp8, false, NW, , __nv_bfloat16, 4)              \
+    MT_GEMVQT(fp8, false, NW, _f32, float, 4)                  \
+    MT_GEMVQT(nvfp4, true, NW, , __nv_bfloat16, MINB_FP4)      \
+    MT_GEMVQT(nvfp4, true, NW, _f32, float, MINB_FP4)
 
-MT_GEMVQT_W(1)
-MT_GEMVQT_W(2)
+MT_GEMVQT_W(1, 4)
+MT_GEMVQT_W(2, 3)
 
 // Dequantization into bf16 (prefill: the cuBLAS bf16 GEMM reads the result): out[n, k] row
 // stride k. One thread per 16-byte weight vector (16 fp8 / 32 nvfp4 elements), grid-stride.
