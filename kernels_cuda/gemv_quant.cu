@@ -561,6 +561,297 @@ MT_GEMMQ_M(2, 4)
 MT_GEMMQ_M(4, 2)
 MT_GEMMQ_M(4, 4)
 
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int j) {
+    return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
+}
+
+// gemvq_*_t8_w*: one nvfp4 chunk of a lane (see the layout below): NW tiles x rows g, g + 8 x one
+// 16-byte vector (32 codes, two scale groups) each; xw the lane's 32 elements of x (bf16 pairs)
+template <int NW>
+__device__ __forceinline__ void gemvqt_fp4_chunk(float (&acc)[NW][4], const uint4 (&wv)[NW][2], const uint32_t (&xw)[16],
+                                                 const void* s, long long s_ld, const int (&row)[NW][2], int sbyte,
+                                                 float up) {
+    uint32_t b[4][2][2];         // word j, mma hh: b0 = x (8j + 2hh, 8j + 2hh + 4), b1 = (+1, +5)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            b[j][hh][0] = __byte_perm(xw[4 * j + hh], xw[4 * j + hh + 2], 0x5410u);
+            b[j][hh][1] = __byte_perm(xw[4 * j + hh], xw[4 * j + hh + 2], 0x7632u);
+        }
+#pragma unroll
+    for (int t = 0; t < NW; ++t) {
+        uint32_t sc[2][2];       // rows g, g + 8; the vector's two groups: scale * 2^119 as bf16 pairs
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const uint16_t b2 = *reinterpret_cast<const uint16_t*>(
+                static_cast<const uint8_t*>(s) + static_cast<long long>(row[t][h]) * s_ld + sbyte);
+            const float2 sf = h2f(e4m3x2_half2(b2));
+            sc[h][0] = f2_bf16x2(sf.x * up, sf.x * up);
+            sc[h][1] = f2_bf16x2(sf.y * up, sf.y * up);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            uint32_t p[2][4];    // rows g, g + 8: pairs (e_i, e_i+4) of word j, scaled
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const uint32_t v = word_of(wv[t][h], j), f = sc[h][j >> 1];
+                p[h][0] = bf16x2_mul(e2m1_pair_bf16_scaled<0>(v), f);
+                p[h][1] = bf16x2_mul(e2m1_pair_bf16_scaled<1>(v), f);
+                p[h][2] = bf16x2_mul(e2m1_pair_bf16_scaled<2>(v), f);
+                p[h][3] = bf16x2_mul(e2m1_pair_bf16_scaled<3>(v), f);
+            }
+            mma_bf16_16816(acc[t], p[0][0], p[1][0], p[0][1], p[1][1], b[j][0][0], b[j][0][1]);
+            mma_bf16_16816(acc[t], p[0][2], p[1][2], p[0][3], p[1][3], b[j][1][0], b[j][1][1]);
+        }
+    }
+}
+
+// gemvq_*_t8_w*: one fp8 chunk of a lane: NW tiles x rows g, g + 8 x 16 codes; xw the lane's 16
+// elements of x
+template <int NW>
+__device__ __forceinline__ void gemvqt_fp8_chunk(float (&acc)[NW][4], const uint4 (&wv)[NW][2], const uint32_t (&xw)[8],
+                                                 const void* s, long long s_ld, int s_rlog2, int s_clog2,
+                                                 const int (&row)[NW][2], int ch, bool chunk_scale) {
+#pragma unroll
+    for (int t = 0; t < NW; ++t) {
+        float part[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            uint32_t lo[2], hi[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const uint32_t v = word_of(wv[t][h], j);
+                lo[h] = e4m3x2_bf16x2(v);
+                hi[h] = e4m3x2_bf16x2(v >> 16);
+            }
+            mma_bf16_16816(part, lo[0], lo[1], hi[0], hi[1], xw[2 * j], xw[2 * j + 1]);
+        }
+        float s0 = 1.f, s1 = 1.f;
+        if (chunk_scale) {
+            const long long col = (static_cast<long long>(ch) * 64) >> s_clog2;
+            s0 = static_cast<const float*>(s)[static_cast<long long>(row[t][0] >> s_rlog2) * s_ld + col];
+            s1 = static_cast<const float*>(s)[static_cast<long long>(row[t][1] >> s_rlog2) * s_ld + col];
+        }
+        acc[t][0] = fmaf(part[0], s0, acc[t][0]);
+        acc[t][1] = fmaf(part[1], s0, acc[t][1]);
+        acc[t][2] = fmaf(part[2], s1, acc[t][2]);
+        acc[t][3] = fmaf(part[3], s1, acc[t][3]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core decode GEMVs with the weights as the A operand (gemvq_*_t8_w*; "v2" of the decode path:
+// metrale/levers.py METRALE_QUANT_GEMV, quant.py picks them for 1-8 rows; gemvq_* above are v1):
+// y = x @ dequant(w)^T for nt <= 8 rows of x, one mma.sync m16n8k16 per 16 weight rows x 16 k,
+// the 8 rows of x the B operand (n = the row of x; columns past nt repeat row nt - 1, never stored). Why: the CUDA-core
+// GEMVs spend per weight element an fp32 FMA per row of x, an f16 -> f32 conversion and the
+// decode; on sm_90 the nvfp4 one issued 182 instructions per 16-byte weight vector (cuobjdump
+// -sass of gemvq_nvfp4_t1_r4's loop: LOP3 37, PRMT 32, HADD2 34, FFMA 34, IMAD 20, SHF 11),
+// above the ~126 warp instructions per 16 bytes an SM can issue at copy bandwidth. Here the
+// multiply-adds are 4 HMMA per 16-byte vector (nvfp4; fp8: 2), no conversion to fp32 remains,
+// and nt = 1..8 cost the same. (The gemmq_* GEMMs above put x in A: 16 rows of x per mma,
+// 15/16 of the tensor work wasted at nt = 1.)
+//
+// Entry points gemvq_<fp8|nvfp4>_t8_w<NW>[_f32]: NW 16-row tiles per warp (1, 2); arguments as
+// gemvq_* (nt 1..8; ks_log2: warps splitting k). k % 128 == 0 (nvfp4) / k % 64 == 0 (fp8);
+// fp8 scale blocks of >= 64 columns (s_clog2 >= 6; any rows: each output row reads its own).
+// Layout: 128 threads, 4 >> ks_log2 row groups of 1 << ks_log2 warps; a group owns 16 * NW
+// consecutive weight rows. Lane l = 4g + c: weight rows g and g + 8 of each tile (A rows), row
+// g of x (B column), and the 16-byte vector c of each 64-byte k-chunk of those rows (a chunk:
+// 128 nvfp4 / 64 fp8 elements; the slice's chunks s, s + ksplit, ...). U = 4 / NW chunks per
+// round; the next round's weight loads are issued before this round's math (software pipeline:
+// a warp keeps 64 bytes per lane in flight while it computes). k is permuted inside a lane's
+// vector (the sum does not care), identically in A and B:
+//   fp8:   word j of the vector (elements 4j..4j+3): a0 / a1 (rows g / g+8) = (e[4j], e[4j+1]),
+//          a2 / a3 = (e[4j+2], e[4j+3]); b0, b1 = the same elements of x (two bf16 words as
+//          loaded). One mma per word and tile.
+//   nvfp4: word j (codes e0..e7 of nibbles 0..7), pair p (0..3) = (e_p, e_p+4): mma (j, h) takes
+//          pairs 2h (a0, a1) and 2h + 1 (a2, a3); b0, b1 = x at the same elements (one byte
+//          permutation per x word pair). Two mma per word and tile.
+// Decoding (exact): fp8 e4m3 pair -> f16 pair (hardware) -> fp32 -> bf16 pair (4 significant
+// bits: exact). nvfp4 as the gemmq_ kernels: pair p of a word moved by two shifts and two masks
+// into bf16 bits (sign to bit 15 / 31, the magnitude's 3 bits to 6..8 / 22..24: the value times
+// 2^-126, code 1 / 9 a bf16 subnormal), then one bf16 multiply by the 16-column group's e4m3
+// scale times 2^119 (exact: <= 6 significant bits, range 2^-17 .. 21); the row's sum times
+// g * 2^7 at the end.
+// Instructions per 16-byte weight vector (cuobjdump -sass of the main loop over its 16 weight
+// loads, sm_90, CUDA 13.0), any nt <= 8: nvfp4 w2 108 (LOP3 32, IMAD 27, HMUL2 16, SHF 9, PRMT 4,
+// HMMA 4), w1 116 (PRMT 8); fp8 w2 62 (F2FP 16, HADD2 16, IMAD 9, SHF 6, HMMA 2), w1 66. The
+// v1 GEMVs: nvfp4 t1_r4 182, t8_r4 505; fp8 t1_r4 65, t8_r4 236. An SM issues ~126 warp
+// instructions in the time copy bandwidth brings it 16 bytes per lane of a warp
+// (4.27 TB/s / 132 SMs / 1.98 GHz = 16.3 B per clock, 4 issues per clock).
+// Registers: 128 (4 CTAs per SM), nvfp4 w2 164 (3); 0 spills.
+// Scales: fp8 per chunk on the fp32 partial sums (per row: rows g and g + 8 each read theirs),
+// or per row at the end when a block spans all columns; nvfp4 in the fragments.
+// Reduction across the k-split warps in shared memory, fixed order (deterministic).
+// Numerics: products of exact bf16 weights and bf16 x summed in fp32 by the tensor cores (the
+// same as gemmq_*: tests/test_cuda_quant_gemv.py holds both to the spec at the GEMVs'
+// tolerances). Bytes: as the GEMVs.
+// gemvq_*_t8_w*: the weight vectors of U chunks (c0, c0 + ksplit, ...) of a lane's 2 * NW rows; a chunk
+// past the end leaves its registers as they were (never used: gemvqt_round stops there)
+__device__ __forceinline__ void ldg16_w_keep(uint4& v, const void* p, bool pred) {
+    asm volatile(
+        "{\n"
+        "  .reg .pred p;\n"
+        "  setp.ne.b32 p, %5, 0;\n"
+        "  @p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+        "}\n"
+        : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)
+        : "l"(p), "r"(static_cast<int>(pred)));
+}
+
+// 16 bytes of an activation, coherent (see common.cuh), unpredicated (no zero fill to issue)
+__device__ __forceinline__ uint4 ldg16_x_all(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+template <int U, int NW>
+__device__ __forceinline__ void gemvqt_load(uint4 (&wv)[U][NW][2], const uint8_t* const (&wrow)[NW][2], int c0,
+                                            int ksplit, int chunks) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int ch = c0 + u * ksplit;
+#pragma unroll
+        for (int t = 0; t < NW; ++t)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) ldg16_w_keep(wv[u][t][h], wrow[t][h] + static_cast<long long>(ch) * 64, ch < chunks);
+    }
+}
+
+// gemvq_*_t8_w*: the math of U chunks whose weights are in wv
+template <bool FP4, int U, int NW>
+__device__ __forceinline__ void gemvqt_round(float (&acc)[NW][4], const uint4 (&wv)[U][NW][2], const __nv_bfloat16* xrow,
+                                             const void* s, long long s_ld, int s_rlog2, int s_clog2,
+                                             const int (&row)[NW][2], int c0, int ksplit, int chunks, bool chunk_scale) {
+    constexpr int EPC = FP4 ? 128 : 64;
+    constexpr int EPV = EPC / 4;
+    const float up = 6.64613997892457936451903530140172288e35f;   // 2^119
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int ch = c0 + u * ksplit;
+        if (ch >= chunks) break;
+        uint32_t xw[EPV / 2];            // this lane's EPV elements of the chunk, row g of x
+#pragma unroll
+        for (int q = 0; q < EPV / 8; ++q) {
+            const uint4 r = ldg16_x_all(reinterpret_cast<const uint4*>(xrow + static_cast<long long>(ch) * EPC) + q);
+            xw[4 * q] = r.x; xw[4 * q + 1] = r.y; xw[4 * q + 2] = r.z; xw[4 * q + 3] = r.w;
+        }
+        if constexpr (FP4) {
+            gemvqt_fp4_chunk<NW>(acc, wv[u], xw, s, s_ld, row, ch * 8 + 2 * (threadIdx.x & 3), up);
+        } else {
+            gemvqt_fp8_chunk<NW>(acc, wv[u], xw, s, s_ld, s_rlog2, s_clog2, row, ch, chunk_scale);
+        }
+    }
+}
+
+template <bool FP4, int NW, typename O>
+__device__ __forceinline__ void gemvqt(const __nv_bfloat16* x, long long x_ld, const uint8_t* w, long long w_ld,
+                                       const void* s, long long s_ld, int s_rlog2, int s_clog2, const float* g,
+                                       O* y, long long y_ld, int nt, int n, int k, int ks_log2) {
+    constexpr int EPC = FP4 ? 128 : 64;          // elements per row and chunk (64 bytes)
+    constexpr int EPV = EPC / 4;                 // elements per lane vector (16 bytes)
+    constexpr int U = 4 / NW;                    // chunks per round
+    __shared__ float red[GEMVQ_WARPS][NW * 4][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int gq = lane >> 2, cq = lane & 3;
+    const int slice = warp & ((1 << ks_log2) - 1);
+    const int ksplit = 1 << ks_log2;
+    const int n0 = (blockIdx.x * (GEMVQ_WARPS >> ks_log2) + (warp >> ks_log2)) * NW * 16;
+    const int chunks = k / EPC;
+    const bool chunk_scale = !FP4 && s_clog2 < 30;    // fp8 block scales: applied per chunk
+
+    int row[NW][2];
+    const uint8_t* wrow[NW][2];
+#pragma unroll
+    for (int t = 0; t < NW; ++t)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            row[t][h] = min(n0 + 16 * t + gq + 8 * h, n - 1);
+            wrow[t][h] = w + static_cast<long long>(row[t][h]) * w_ld + 16 * cq;
+        }
+    // B column g: row g of x; columns past nt read row nt - 1 (in bounds; their sums are never stored)
+    const __nv_bfloat16* xrow = x + static_cast<long long>(min(gq, nt - 1)) * x_ld + EPV * cq;
+
+    float acc[NW][4];
+#pragma unroll
+    for (int t = 0; t < NW; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[t][e] = 0.f;
+
+    // two buffers of U chunks: the loads of one are in flight while the other's math runs
+    uint4 wa[U][NW][2], wb[U][NW][2];
+    gemvqt_load<U, NW>(wa, wrow, slice, ksplit, chunks);
+    mt::pdl_wait();
+    mt::pdl_after_wait();
+    const int round = ksplit * U;
+    for (int c0 = slice; c0 < chunks; c0 += 2 * round) {
+        gemvqt_load<U, NW>(wb, wrow, c0 + round, ksplit, chunks);
+        gemvqt_round<FP4, U, NW>(acc, wa, xrow, s, s_ld, s_rlog2, s_clog2, row, c0, ksplit, chunks, chunk_scale);
+        if (c0 + round >= chunks) break;
+        gemvqt_load<U, NW>(wa, wrow, c0 + 2 * round, ksplit, chunks);
+        gemvqt_round<FP4, U, NW>(acc, wb, xrow, s, s_ld, s_rlog2, s_clog2, row, c0 + round, ksplit, chunks,
+                                 chunk_scale);
+    }
+    if (ks_log2 > 0) {
+        if (slice != 0) {
+#pragma unroll
+            for (int t = 0; t < NW; ++t)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) red[warp][t * 4 + e][lane] = acc[t][e];
+        }
+        __syncthreads();
+        if (slice != 0) return;
+        for (int sl = 1; sl < (1 << ks_log2); ++sl)
+#pragma unroll
+            for (int t = 0; t < NW; ++t)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[t][e] += red[warp + sl][t * 4 + e][lane];
+    }
+    // C fragment: e = 0, 1: weight row g of the tile, rows 2c, 2c + 1 of x; e = 2, 3: weight row g + 8
+#pragma unroll
+    for (int t = 0; t < NW; ++t)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int col = n0 + 16 * t + gq + 8 * h;
+            if (col >= n) continue;
+            float f;
+            if constexpr (FP4) {
+                f = g[col] * 128.f;
+            } else {
+                f = chunk_scale ? 1.f : static_cast<const float*>(s)[static_cast<long long>(col >> s_rlog2) * s_ld];
+            }
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int r = 2 * cq + e;
+                if (r < nt) store_y(y + static_cast<long long>(r) * y_ld + col, acc[t][2 * h + e] * f);
+            }
+        }
+}
+
+#define MT_GEMVQT(FMT, FP4, NW, SUF, O, MINB)                                                                \
+    extern "C" __global__ void __launch_bounds__(GEMVQ_WARPS * 32, MINB) gemvq_##FMT##_t8_w##NW##SUF(         \
+        const __nv_bfloat16* x, long long x_ld, const uint8_t* w, long long w_ld, const void* s,      \
+        long long s_ld, int s_rlog2, int s_clog2, const float* g, O* y, long long y_ld, int nt, int n, \
+        int k, int ks_log2) {                                                                        \
+        gemvqt<FP4, NW, O>(x, x_ld, w, w_ld, s, s_ld, s_rlog2, s_clog2, g, y, y_ld, nt, n, k, ks_log2); \
+        mt::pdl_exit();                                                                              \
+    }
+
+// MINB: CTAs per SM the register budget is set for (4: <= 128 registers; nvfp4 w2 spills there
+// and gets 3: <= 168), so 12-16 warps per SM keep their next round's loads in flight
+#define MT_GEMVQT_W(NW, MINB_FP4)                              \
+    MT_GEMVQT(fp8, false, NW, , __nv_bfloat16, 4)              \
+    MT_GEMVQT(fp8, false, NW, _f32, float, 4)                  \
+    MT_GEMVQT(nvfp4, true, NW, , __nv_bfloat16, MINB_FP4)      \
+    MT_GEMVQT(nvfp4, true, NW, _f32, float, MINB_FP4)
+
+MT_GEMVQT_W(1, 4)
+MT_GEMVQT_W(2, 3)
+
 // Dequantization into bf16 (prefill: the cuBLAS bf16 GEMM reads the result): out[n, k] row
 // stride k. One thread per 16-byte weight vector (16 fp8 / 32 nvfp4 elements), grid-stride.
 // The product code * scale (* global) is computed in fp32 and rounded once to bf16 (exact where

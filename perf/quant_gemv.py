@@ -12,10 +12,14 @@ in_proj q|k|v|z, out_proj, attention q|gate|k|v, o, MLP gate|up, down) with synt
   * M = 16, 32, 64 also down the prefill path (dequantise + bf16 GEMM): where
     QUANT_MMA_MAX_ROWS comes from;
   * M = 512, 2048, 8192 (prefill): TFLOP/s of the dequantise + bf16 GEMM path against bf16.
+  * --variants v1,v2: the decode rows (M <= 64) once per METRALE_QUANT_GEMV variant (v1: the
+    CUDA-core GEMVs and x-as-A GEMMs; v2: also the weights-as-A tensor-core GEMVs for M <= 8),
+    each tuned afresh: per row <fmt>_<variant>_us / _bw / _tflops / _vs_bf16 / _config; prefill
+    rows run once (the variant does not touch them).
 Writes perf/results/quant_gemv_<date>_<commit>.json (or --out), stamped and signed by
 metrale.records.finish.
 
-    python perf/quant_gemv.py [--out DIR] [--quick]
+    python perf/quant_gemv.py [--out DIR] [--quick] [--variants v1,v2]
 """
 from __future__ import annotations
 
@@ -74,6 +78,20 @@ def graph_time_us(cp, fn, calls: int = 20, reps: int = 5, copies: int = 1) -> fl
     return cp.cuda.get_elapsed_time(s, e) * 1e3 / (calls * reps)
 
 
+def _summary(rows: list[dict], variants: list[str]) -> list[str]:
+    """One line per (format, decode M): each variant's fraction of copy bandwidth over the shapes."""
+    out = []
+    for fmt in ("fp8", "nvfp4"):
+        for m in sorted({r["m"] for r in rows if r["m"] <= 64}):
+            cells = []
+            for v in variants:
+                bws = [r[f"{fmt}_{v}_bw"] for r in rows if r["m"] == m and f"{fmt}_{v}_bw" in r]
+                if bws:
+                    cells.append(f"{v} " + " ".join(f"{b:.2f}" for b in bws))
+            out.append(f"{fmt:5s} M={m:2d} bw: " + " | ".join(cells))
+    return out
+
+
 def main(argv=None) -> int:
     import cupy as cp
     from metrale import records
@@ -84,7 +102,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(ROOT / "perf" / "results"))
     ap.add_argument("--quick", action="store_true", help="9B shapes, fewer rows")
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated METRALE_QUANT_GEMV variants to time the decode rows under "
+                         f"({', '.join(q.QUANT_GEMV_VARIANTS)}); default: the environment's")
     args = ap.parse_args(argv)
+    variants = [v.strip() for v in (args.variants or q.variant()).split(",") if v.strip()]
+    bad = [v for v in variants if v not in q.QUANT_GEMV_VARIANTS]
+    if bad:
+        ap.error(f"--variants {','.join(bad)}: one of {', '.join(q.QUANT_GEMV_VARIANTS)}")
+    env_before = os.environ.get("METRALE_QUANT_GEMV")
     ops = CudaOps()
     bw = measure_copy_bw()
     dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
@@ -112,13 +138,18 @@ def main(argv=None) -> int:
                 rec["bf16_tflops"] = 2 * m * n * k / (t_b * 1e-6) / 1e12
                 for fmt, ws in wq.items():
                     w = ws[0]
-                    t = graph_time_us(cp, lambda i: ops.linear(x, ws[i]), calls=20 if m <= 64 else 3,
-                                      copies=len(ws) if m <= 64 else 1)
                     moved = w.nbytes + m * (n + k) * 2
-                    rec[f"{fmt}_us"] = t
-                    rec[f"{fmt}_bw"] = moved / (t * 1e-6) / bw
-                    rec[f"{fmt}_tflops"] = 2 * m * n * k / (t * 1e-6) / 1e12
-                    rec[f"{fmt}_vs_bf16"] = t_b / t
+                    for v in (variants if m <= 64 else variants[:1]):
+                        os.environ["METRALE_QUANT_GEMV"] = v
+                        t = graph_time_us(cp, lambda i: ops.linear(x, ws[i]), calls=20 if m <= 64 else 3,
+                                          copies=len(ws) if m <= 64 else 1)
+                        key = f"{fmt}_{v}"
+                        rec[f"{key}_us"] = t
+                        rec[f"{key}_bw"] = moved / (t * 1e-6) / bw
+                        rec[f"{key}_tflops"] = 2 * m * n * k / (t * 1e-6) / 1e12
+                        rec[f"{key}_vs_bf16"] = t_b / t
+                        if m <= 64:
+                            rec[f"{key}_config"] = q.tuned_config(ops, w, m)
                     if 8 < m <= 64:                     # the prefill path at these rows
                         keep = q.QUANT_MMA_MAX_ROWS, q.QUANT_GEMV_MAX_ROWS
                         q.QUANT_MMA_MAX_ROWS = q.QUANT_GEMV_MAX_ROWS = 0
@@ -127,20 +158,27 @@ def main(argv=None) -> int:
                                                                         copies=len(ws))
                         finally:
                             q.QUANT_MMA_MAX_ROWS, q.QUANT_GEMV_MAX_ROWS = keep
-                    if m <= 64:
-                        rec[f"{fmt}_config"] = ops._qtuned.get((fmt, q._bucket(m), (n, k), False, q.mma_applies(w)))
-                rows_out.append(rec)
                 print(f"{model:12s} {proj:12s} {n:6d}x{k:<6d} M={m:5d}  bf16 {t_b:8.1f} us "
-                      f"({rec['bf16_bw']:.0%} bw, {rec['bf16_tflops']:.0f} TF)  "
-                      + "  ".join(f"{f} {rec[f'{f}_us']:8.1f} us ({rec[f'{f}_bw']:.0%} bw, "
-                                  f"{rec[f'{f}_tflops']:.0f} TF, x{rec[f'{f}_vs_bf16']:.2f})"
-                                  + (f" other {rec[f'{f}_other_path_us']:.1f}" if f"{f}_other_path_us" in rec else "")
-                                  + (f" {rec.get(f'{f}_config')}" if m <= 64 else "")
-                                  for f in wq), flush=True)
+                      f"({rec['bf16_bw']:.0%} bw, {rec['bf16_tflops']:.0f} TF)", flush=True)
+                for key in [f"{f}_{v}" for f in wq for v in variants if f"{f}_{v}_us" in rec]:
+                    f = key.split("_")[0]
+                    print(f"      {key:9s} {rec[f'{key}_us']:8.1f} us ({rec[f'{key}_bw']:.0%} bw, "
+                          f"{rec[f'{key}_tflops']:.0f} TF, x{rec[f'{key}_vs_bf16']:.2f})"
+                          + (f" other {rec[f'{f}_other_path_us']:.1f}" if f"{f}_other_path_us" in rec else "")
+                          + (f" {rec.get(f'{key}_config')}" if m <= 64 else ""), flush=True)
+                rows_out.append(rec)
             wb = wq = None
             cp.get_default_memory_pool().free_all_blocks()
+    if env_before is None:
+        os.environ.pop("METRALE_QUANT_GEMV", None)
+    else:
+        os.environ["METRALE_QUANT_GEMV"] = env_before
+    summary = _summary(rows_out, variants)
+    for line in summary:
+        print(line)
     record = dict(benchmark="quant_gemv", commit=commit(), date=_dt.datetime.now(_dt.timezone.utc).isoformat(),
                   device=dev, copy_bandwidth_Bps=bw, quant_mma_max_rows=q.QUANT_MMA_MAX_ROWS,
+                  variants=variants, summary=summary,
                   formats={"fp8": "block 128x128 e4m3, fp32 scales", "nvfp4": "e2m1, e4m3 scale / 16, fp32 global / row"},
                   rows=rows_out)
     records.write(Path(args.out) / f"quant_gemv_{_dt.datetime.now():%Y%m%d_%H%M%S}_{commit()}.json",

@@ -3,8 +3,9 @@ metrale.backends.cuda.gemm.quant) against the CPU spec: QuantizedTensor.dequanti
 then x @ w^T in fp32 (numpy).
 
 - every decode entry point: the CUDA-core GEMVs at rows 1..8 (3, 5, 7 run the next compiled T)
-  with both R and every k split, the tensor-core GEMMs at rows 1..64 (m-tiles 1, 2, 4; partial
-  tiles) with both n-tile widths and every k split; n not a multiple of a row group or a CTA,
+  with both R and every k split, the weights-as-A tensor-core GEMVs (gemvq_*_t8_w*, v2) at rows
+  1..8 with both tile widths and every k split, the tensor-core GEMMs at rows 1..64 (m-tiles 1,
+  2, 4; partial tiles) with both n-tile widths and every k split; n not a multiple of a row group or a CTA,
   k not a multiple of a round; FP8 scale blocks 128 x 128 / per channel / per tensor / 32 x 64 /
   3 x 48 (expanded on upload: GEMVs only), NVFP4 with a per-row global scale and every e2m1
   code (the subnormal 0.5 included); outputs NaN-poisoned first. bf16 output: relative
@@ -86,14 +87,15 @@ def test_every_decode_entry_point_matches_the_spec(ops, cp, fmt, block, n, k):
     rng = np.random.default_rng(n * 31 + k)
     qt = fp8_tensor(rng, n, k, _fp8_block(block, n, k)) if fmt == "fp8" else nvfp4_tensor(rng, n, k)
     w = q.upload(ops, qt)
-    mma = q.mma_applies(w)
+    mma, tc = q.mma_applies(w), q.tc_applies(w)
     assert mma == (k % (128 if fmt == "nvfp4" else 64) == 0 and block != (3, 48)), "which layouts take the mma path"
+    assert tc == mma, "the weights-as-A GEMVs read the layouts the mma GEMMs read (block rows: any)"
     x = rng.standard_normal((64, k)).astype(BF16)
     ref = reference(x, qt)
     xd = cp.asarray(x)
     kinds = set()
     for nt in [*range(1, 9), 12, 16, 17, 31, 33, 64]:
-        for cfg in q._configs(fmt, k, nt, mma):
+        for cfg in q._configs(fmt, k, nt, mma, tc):
             kinds.add(cfg[0])
             for f32 in (False, True):
                 y = cp.empty((nt, n), dtype=F32 if f32 else BF16)
@@ -101,7 +103,7 @@ def test_every_decode_entry_point_matches_the_spec(ops, cp, fmt, block, n, k):
                 q._launch(ops, w, cfg, xd[:nt], k, y, n, nt, f32)
                 err = rel(cp.asnumpy(y).astype(F32), ref[:nt])
                 assert err <= (1e-5 if f32 else 1e-2), (fmt, block, n, k, nt, cfg, f32, err)
-    assert kinds == ({"gemv", "mma"} if mma else {"gemv"})
+    assert kinds == ({"gemv", "tc", "mma"} if mma else {"gemv"})
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
@@ -114,6 +116,53 @@ def test_dequantisation_is_bit_exact(ops, cp, fmt):
     out = cp.asnumpy(q.dequantize(ops, q.upload(ops, qt)))
     want = qt.dequantize().astype(F32).astype(BF16)
     assert np.array_equal(out.view(np.uint16), want.view(np.uint16))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_weights_as_a_gemvs_are_deterministic_and_row_independent(ops, cp, fmt):
+    """gemvq_*_t8_w*: two launches agree bit for bit (fixed reduction order), and a row of x gives
+    the same bits whether it runs alone or with 7 others (the rows are the mma's B columns: no
+    row's sum depends on another's)."""
+    from metrale.backends.cuda.gemm import quant as q
+
+    rng = np.random.default_rng(11)
+    n, k = 1000, 2048 + 128
+    qt = fp8_tensor(rng, n, k, (128, 128)) if fmt == "fp8" else nvfp4_tensor(rng, n, k)
+    w = q.upload(ops, qt)
+    xd = cp.asarray(rng.standard_normal((8, k)).astype(BF16))
+    for cfg in [c for c in q._configs(fmt, k, 8, True, True) if c[0] == "tc"]:
+        outs = []
+        for nt in (8, 8, 1):
+            y = cp.empty((nt, n), dtype=F32)
+            y.fill(np.nan)
+            q._launch(ops, w, cfg, xd[:nt], k, y, n, nt, True)
+            outs.append(cp.asnumpy(y))
+        assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32)), cfg
+        assert np.array_equal(outs[0][:1].view(np.uint32), outs[2].view(np.uint32)), cfg
+
+
+@pytest.mark.parametrize("variant", ["v1", "v2"])
+@pytest.mark.parametrize("case", ["fp8", "nvfp4", "mixed"])
+def test_decode_variants_match_the_spec(ops, cp, case, variant, monkeypatch):
+    """METRALE_QUANT_GEMV: v1 never picks the weights-as-A GEMVs, v2 may; both meet the spec
+    at 1, 5 and 8 rows (bf16 out <= 1e-2, fp32 out <= 1e-5)."""
+    from metrale.backends.cuda.gemm import quant as q
+    from metrale.models.quant import dense
+
+    monkeypatch.setenv("METRALE_QUANT_GEMV", variant)
+    rng = np.random.default_rng(7)
+    qt = _linear_cases(rng)[case]
+    w = ops.asarray(qt)
+    n, k = qt.shape
+    for rows in (1, 5, 8):
+        x = rng.standard_normal((rows, k)).astype(BF16)
+        ref = np.asarray(x, F32) @ dense(qt).astype(F32).T
+        assert rel(cp.asnumpy(ops.linear(cp.asarray(x), w)).astype(F32), ref) <= 1e-2, (case, variant, rows)
+        assert rel(cp.asnumpy(ops.lm_head(cp.asarray(x), w)), ref) <= 1e-5, (case, variant, rows)
+        for p in (w.parts if isinstance(w, q.PartsWeight) else (w,)):
+            if isinstance(p, q.QWeight):
+                kind = q.tuned_config(ops, p, rows)[0]
+                assert kind in ({"gemv", "mma"} if variant == "v1" else {"gemv", "tc", "mma"}), (variant, kind)
 
 
 def _linear_cases(rng):

@@ -4,9 +4,12 @@
 `QWeight`: the packed codes and the scales in the layouts of kernels_cuda/gemv_quant.cu, nothing
 dequantised. `linear` runs y = x @ dequant(w)^T:
 
-  * steps of at most QUANT_GEMV_MAX_ROWS rows (decode): the weight-only GEMVs of gemv_quant.cu
-    (gemvq_<fp8|nvfp4>_t<T>_r<R>), in chunks of 8 rows, streaming the packed bytes. Each config
-    (R, k split) is timed once per shape on its first eager call (tune_once);
+  * steps of at most QUANT_GEMV_MAX_ROWS rows (decode): the weight-only GEMVs of gemv_quant.cu,
+    in chunks of 8 rows, streaming the packed bytes: the CUDA-core gemvq_<fp8|nvfp4>_t<T>_r<R>
+    (v1) and, with METRALE_QUANT_GEMV=v2 (the default), also the tensor-core
+    gemvq_<fp8|nvfp4>_t8_w<NW> (weights as the mma's A operand) where they apply; up to
+    QUANT_MMA_MAX_ROWS the tensor-core GEMMs gemmq_*. Each config (kernel, tile, k split) is
+    timed once per shape on its first eager call (_plan) and the fastest kept;
   * larger steps (prefill), block-FP8 weights (128 x 128 scales): W8A8 on FP8 tensor cores
     (gemm/fp8_lt.py: x quantized per row and 128 columns by quant_act_fp8, cuBLASLt's block-
     scaled FP8 matmul); METRALE_FP8_W8A8=0 turns it off;
@@ -45,12 +48,16 @@ QUANT_MMA_MAX_ROWS = 64
 QUANT_GEMV_MAX_ROWS = 16
 GEMMQ_MT = (1, 2, 4)
 GEMMQ_NW = (2, 4)
+GEMVQT_NW = (1, 2)       # 16-row tiles per warp of gemvq_*_t8_w<NW> (v2)
+QUANT_GEMV_VARIANTS = ("v1", "v2")
 _WIDE = 30          # a log2 block size that covers every row / column (per tensor, per channel)
 
 _GEMVQ_ARGS = ("const bf16* x, long long x_ld, const uint8_t* w, long long w_ld, const void* s, long long s_ld, "
                "int s_rlog2, int s_clog2, const float* g, O* y, long long y_ld, int nt, int n, int k, int ks_log2")
 declare("gemv_quant", "gemvq_{}_t{}_r{}", _GEMVQ_ARGS)          # y bf16
 declare("gemv_quant", "gemvq_{}_t{}_r{}_f32", _GEMVQ_ARGS)      # y fp32
+declare("gemv_quant", "gemvq_{}_t{}_w{}", _GEMVQ_ARGS)          # y bf16 (v2: tensor cores)
+declare("gemv_quant", "gemvq_{}_t{}_w{}_f32", _GEMVQ_ARGS)      # y fp32
 declare("gemv_quant", "gemmq_{}_m{}_w{}", _GEMVQ_ARGS)          # y bf16
 declare("gemv_quant", "gemmq_{}_m{}_w{}_f32", _GEMVQ_ARGS)      # y fp32
 declare("gemv_quant", "quant_act_fp8", "const bf16* x, long long x_ld, uint8_t* q, float* qs, int m, int k")
@@ -166,29 +173,51 @@ def ensure_scratch(ops, w) -> None:
 
 
 # -- the decode kernels -------------------------------------------------------------------------
-# a config: ("gemv", R, ks_log2) | ("mma", NW, ks_log2)
+# a config: ("gemv", R, ks_log2) | ("tc", NW, ks_log2) | ("mma", NW, ks_log2)
+
+def variant() -> str:
+    """METRALE_QUANT_GEMV: which decode kernels the tuner may pick for 1-8 rows."""
+    v = levers.get("METRALE_QUANT_GEMV")
+    if v not in QUANT_GEMV_VARIANTS:
+        raise ValueError(f"METRALE_QUANT_GEMV={v!r}: one of {', '.join(QUANT_GEMV_VARIANTS)}")
+    return v
+
 
 def mma_applies(w: QWeight) -> bool:
-    """Whether the tensor-core decode kernels read this weight (see gemv_quant.cu)."""
+    """Whether the tensor-core decode GEMMs (gemmq_*) read this weight (see gemv_quant.cu)."""
     n, k = w.shape
     if w.format == "nvfp4":
         return k % 128 == 0
     return k % 64 == 0 and (w.s_clog2 >= _WIDE or (w.s_clog2 >= 6 and w.s_rlog2 >= 3))
 
 
-def _configs(fmt: str, k: int, nt: int = 1, mma: bool = False) -> list[tuple]:
+def tc_applies(w: QWeight) -> bool:
+    """Whether the weights-as-A tensor-core GEMVs (gemvq_*_t8_w*) read this weight."""
+    k = w.shape[1]
+    if w.format == "nvfp4":
+        return k % 128 == 0
+    return k % 64 == 0 and w.s_clog2 >= 6
+
+
+def _configs(fmt: str, k: int, nt: int = 1, mma: bool = False, tc: bool = False) -> list[tuple]:
     out = []
     if nt <= GEMVQ_T[-1]:
         kv = k // (32 if fmt == "nvfp4" else 16)
         out += [("gemv", r, ks) for r in GEMVQ_R for ks in GEMVQ_KS_LOG2 if ks == 0 or kv > (32 << (ks - 1))]
+        if tc:
+            chunks = k // (128 if fmt == "nvfp4" else 64)
+            out += [("tc", nw, ks) for nw in GEMVQT_NW for ks in GEMVQ_KS_LOG2 if chunks >= 2 << ks]
     if mma:
         chunks = k // (128 if fmt == "nvfp4" else 64)
         out += [("mma", nw, ks) for nw in GEMMQ_NW for ks in GEMVQ_KS_LOG2 if ks == 0 or chunks >= 2 << ks]
     return out
 
 
-def _default_config(w: QWeight, nt: int, mma: bool) -> tuple:
+def _default_config(w: QWeight, nt: int, mma: bool, tc: bool = False) -> tuple:
     n, k = w.shape
+    if tc and nt <= GEMVQ_T[-1]:
+        chunks = k // (128 if w.format == "nvfp4" else 64)
+        return ("tc", 2 if n >= 2 * 16 * 132 * GEMVQ_WARPS else 1, 2 if chunks >= 16 else 1 if chunks >= 4 else 0)
     if mma:
         return ("mma", 4 if n >= 4 * 8 * 4 * 132 else 2, 2 if k >= 4096 else 1)
     kv = k // (32 if w.format == "nvfp4" else 16)
@@ -203,6 +232,11 @@ def _launch(ops, w: QWeight, cfg, x, x_ld: int, y, y_ld: int, nt: int, f32: bool
         tv = next(v for v in GEMVQ_T if v >= nt)
         fn = ops.kernel("gemv_quant", f"gemvq_{w.format}_t{tv}_r{a}{sfx}")
         rows_per_cta = a * (GEMVQ_WARPS >> ks)
+    elif kind == "tc":
+        if nt > GEMVQ_T[-1]:
+            raise ValueError(f"gemvq_{w.format}_t8_w{a}: {nt} rows of x (at most {GEMVQ_T[-1]})")
+        fn = ops.kernel("gemv_quant", f"gemvq_{w.format}_t{GEMVQ_T[-1]}_w{a}{sfx}")
+        rows_per_cta = 16 * a * (GEMVQ_WARPS >> ks)
     else:
         mt = next(v for v in GEMMQ_MT if 16 * v >= nt)
         fn = ops.kernel("gemv_quant", f"gemmq_{w.format}_m{mt}_w{a}{sfx}")
@@ -210,6 +244,12 @@ def _launch(ops, w: QWeight, cfg, x, x_ld: int, y, y_ld: int, nt: int, f32: bool
     fn((-(-n // rows_per_cta),), (32 * GEMVQ_WARPS,),
        x=x, x_ld=x_ld, w=w.data, w_ld=int(w.data.shape[1]), s=w.scale, s_ld=w.s_ld, s_rlog2=w.s_rlog2,
        s_clog2=w.s_clog2, g=w.global_scale, y=y, y_ld=y_ld, nt=nt, n=n, k=k, ks_log2=ks)
+
+
+def tuned_config(ops, w: QWeight, nt: int, f32: bool = False):
+    """The config _plan chose for this weight and row count (None before its first eager call)."""
+    key = (w.format, _bucket(nt), w.shape, f32, mma_applies(w), variant() == "v2" and tc_applies(w))
+    return getattr(ops, "_qtuned", {}).get(key)
 
 
 def _bucket(nt: int) -> int:
@@ -224,15 +264,16 @@ def _plan(ops, w: QWeight, nt: int, f32: bool, x, x_ld: int, y, y_ld: int, mma: 
     tuned = getattr(ops, "_qtuned", None)
     if tuned is None:
         tuned = ops._qtuned = {}
-    key = (w.format, _bucket(nt), w.shape, f32, mma)
+    tc = variant() == "v2" and tc_applies(w)
+    key = (w.format, _bucket(nt), w.shape, f32, mma, tc)
     cfg = tuned.get(key)
     if cfg is not None:
         return cfg
     if _capturing(ops.stream_ptr):
-        return _default_config(w, nt, mma)
+        return _default_config(w, nt, mma, tc)
     cp = ops.cp
     best, best_t = None, None
-    for c in _configs(w.format, w.shape[1], nt, mma):
+    for c in _configs(w.format, w.shape[1], nt, mma, tc):
         _launch(ops, w, c, x, x_ld, y, y_ld, nt, f32)     # warm (compile, caches)
         start, end = cp.cuda.Event(), cp.cuda.Event()
         start.record()
