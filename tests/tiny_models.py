@@ -626,3 +626,54 @@ def make_tiny_gemma4_multimodal(path, seed: int = 0, **overrides) -> str:
     os.makedirs(path, exist_ok=True)
     model.eval().save_pretrained(str(path))
     return str(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek V3: DeepseekV3ForCausalLM checkpoints (metrale.models.deepseek_v3)
+
+DEEPSEEK_ARCHS = ("deepseek_v3", "deepseek_v3_lite")
+
+_DEEPSEEK_V3 = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+    routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16,
+    qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=3, first_k_dense_replace=1,
+    norm_topk_prob=True, max_position_embeddings=512, rms_norm_eps=1e-6, rope_interleave=True,
+    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    # YaRN with DeepSeek V3's mscale settings (mscale == mscale_all_dim: attention factor 1, the
+    # softmax scale times mscale(factor)^2)
+    rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                     "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "rope_theta": 10000.0},
+)
+
+_DEEPSEEK_CONFIGS = {
+    "deepseek_v3": _DEEPSEEK_V3,
+    # V2-Lite style: no q LoRA (q_proj), not interleaved, plain rope, softmax routing groups of 1,
+    # the shared experts twice as wide, no renormalisation
+    "deepseek_v3_lite": dict(_DEEPSEEK_V3, q_lora_rank=None, rope_interleave=False, n_group=1, topk_group=1,
+                             n_shared_experts=2, norm_topk_prob=False, routed_scaling_factor=1.0,
+                             first_k_dense_replace=2, num_hidden_layers=4,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+}
+
+
+def make_tiny_deepseek(arch: str, path, dtype: str = "float32", seed: int = 0, **overrides) -> str:
+    """A tiny random DeepseekV3ForCausalLM checkpoint (DEEPSEEK_ARCHS) in `path`, parameters
+    perturbed as make_tiny does and the routers' e_score_correction_bias randomised (HF inits
+    it to zeros). Returns `path` as str."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    model = tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(**dict(_DEEPSEEK_CONFIGS[arch], **overrides)))
+    _randomise(model, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.3)
+    model = model.to(getattr(torch, dtype)).eval()
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(str(path))
+    return str(path)

@@ -1,0 +1,189 @@
+"""DeepSeek V3 (`deepseek_v3`, metrale.models.deepseek_v3) on the CPU backend against HF
+transformers' DeepseekV3ForCausalLM fp32, on tiny random checkpoints of two shapes: V3 style
+(q LoRA, interleaved YaRN rope with DeepSeek's mscale, grouped routing, one dense layer) and
+V2-Lite style (no q LoRA, plain rope, one group, wider shared experts, two dense layers).
+The family checks (tests/family_checks.py: one-shot, prefill-then-decode, chunked prefill, mixed
+batch over dirty blocks, greedy through the engine with prefix-cache hits); the router against
+HF's; the latent cache's layout and its block moves; refusals; `met serve` answering a chat."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import openai
+import pytest
+
+import family_checks as fc
+from metrale.backends.cpu import CpuOps
+from metrale.cache.kv import MlaSpec, ModelCaches
+from metrale.config import ConfigError
+from metrale.llm import LLM
+from metrale.models.checkpoint import CheckpointError
+from metrale.models.registry import build_model
+from test_models import Harness, rel_err
+from tests.serving import Server
+from tiny_models import (DEEPSEEK_ARCHS, VOCAB, load_tiny, make_tiny_deepseek, rewrite_config,
+                         write_qwen_tokenizer)
+
+PROMPT_LEN = 70
+MLA_OPS = ("mla_prologue", "latent_attention", "gather_latents", "mla_expanded_attention", "head_linear")
+
+
+@pytest.fixture(scope="module", params=DEEPSEEK_ARCHS)
+def ckpt(request, tmp_path_factory):
+    return make_tiny_deepseek(request.param, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return np.random.default_rng(1).integers(0, VOCAB, PROMPT_LEN).tolist()
+
+
+@pytest.fixture(scope="module")
+def ref(ckpt, prompt):
+    return fc.reference(ckpt, prompt)
+
+
+def test_one_shot_prefill_matches_hf(ckpt, prompt, ref):
+    fc.check_one_shot(ckpt, prompt, ref)
+
+
+def test_prefill_then_decode_matches_hf(ckpt, prompt, ref):
+    """Decode steps run the absorbed form, the prefill the expanded one: both equal HF."""
+    fc.check_prefill_then_decode(ckpt, prompt, ref)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16, 64])
+def test_chunked_prefill_matches_hf(ckpt, prompt, ref, chunk):
+    fc.check_chunked(ckpt, prompt, ref, chunk)
+
+
+def test_mixed_batch_matches_each_sequence_alone(ckpt, prompt, ref):
+    fc.check_mixed_batch(ckpt, prompt, ref)
+
+
+def test_engine_greedy_with_prefix_cache_and_batching(ckpt, prompt):
+    fc.check_engine_greedy(ckpt, prompt)
+
+
+def test_yarn_attention_factor_and_attention_bias(tmp_path, prompt):
+    """mscale != mscale_all_dim (DeepSeek V2's kind: an attention factor on cos / sin, i.e. on the
+    rope dims only) and attention_bias true (q_a / kv_a / o_proj biases)."""
+    rope = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "beta_fast": 32,
+            "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.5, "rope_theta": 10000.0}
+    path = make_tiny_deepseek("deepseek_v3", tmp_path, rope_parameters=rope, attention_bias=True)
+    ref = fc.reference(path, prompt)
+    fc.check_one_shot(path, prompt, ref)
+    fc.check_prefill_then_decode(path, prompt, ref)
+
+
+def test_the_cache_holds_one_latent_row_per_token(ckpt):
+    """MlaSpec: [kv_lora_rank + qk_rope_head_dim] per token and layer, not per-head K/V; the
+    block movers (swap) copy its blocks like any KV."""
+    h = Harness(ckpt, block_size=4)
+    spec = h.model.cache_spec()
+    assert all(s == MlaSpec(32, 8) for s in spec.layers)
+    assert spec.attention_layers == list(range(len(spec.layers)))
+    assert spec.kv_bytes_per_block(4, np.float32) == len(spec.layers) * 4 * 40 * 4
+    caches = ModelCaches(spec, CpuOps(), 6, 4, 0)
+    assert caches.latent(0).shape == (6, 4, 40)
+    for i in spec.attention_layers:
+        caches.latent(i)[...] = np.random.default_rng(i).standard_normal((6, 4, 40))
+    saved = caches.read_blocks([1, 4])
+    assert [a.shape for a in saved] == [(2, 4, 40)] * len(spec.layers)
+    other = ModelCaches(spec, CpuOps(), 6, 4, 0)
+    other.write_blocks([0, 2], saved)
+    assert all(np.array_equal(other.latent(i)[[0, 2]], caches.latent(i)[[1, 4]]) for i in spec.attention_layers)
+    with pytest.raises(TypeError, match="caches MlaSpec"):
+        caches.kv(0)
+
+
+def test_router_matches_hf_grouped_topk():
+    """CpuOps.route_topk with groups and scale against DeepseekV3TopkRouter (sigmoid scores, the
+    correction bias for the choice only, group-limited top-k, renormalised, scaled)."""
+    import torch
+    import transformers as tf
+
+    config = tf.DeepseekV3Config(hidden_size=16, n_routed_experts=16, n_group=4, topk_group=2,
+                                 num_experts_per_tok=4, routed_scaling_factor=2.5, norm_topk_prob=True)
+    router = tf.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter(config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=gen))
+        router.e_score_correction_bias.copy_(torch.randn(16, generator=gen) * 0.5)
+        x = torch.randn(64, 16, generator=gen)
+        logits, hf_w, hf_e = router(x)
+    w, e = CpuOps().route_topk(logits.numpy(), 4, "sigmoid", True, bias=router.e_score_correction_bias.numpy(),
+                               groups=(4, 2), scale=2.5)
+    order, hf_order = np.argsort(e, axis=1), np.argsort(hf_e.numpy(), axis=1)
+    assert np.array_equal(np.take_along_axis(e, order, 1), np.take_along_axis(hf_e.numpy(), hf_order, 1))
+    np.testing.assert_allclose(np.take_along_axis(w, order, 1),
+                               np.take_along_axis(hf_w.numpy(), hf_order, 1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("scoring_func", "softmax", "scoring_func 'softmax'"),
+    ("topk_method", "group_limited_greedy", "topk_method 'group_limited_greedy'"),
+    ("n_group", 3, "n_group 3"),
+    ("num_key_value_heads", 2, "num_key_value_heads 2"),
+    ("hidden_act", "gelu", "hidden_act 'gelu'"),
+])
+def test_unsupported_settings_are_refused_naming_the_field(tmp_path, field, value, message):
+    path = make_tiny_deepseek("deepseek_v3", tmp_path)
+    rewrite_config(path, **{field: value})
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        build_model(load_tiny(path), CpuOps())
+
+
+def test_a_quantized_kv_cache_is_refused_clearly(ckpt):
+    with pytest.raises(ConfigError, match="multi-head latent attention cache .* bf16"):
+        LLM(ckpt, max_seq_len=128, kv_cache_dtype="fp8")
+
+
+class _NoMlaOps:
+    """A backend with the common ops only (as the CUDA backend is today)."""
+    name = "cuda"
+
+    def __getattr__(self, name):
+        if name in MLA_OPS + ("route_topk", "moe_topk"):
+            raise AttributeError(name)
+        return getattr(CpuOps(), name)
+
+
+def test_backend_without_the_ops_refuses_at_load(ckpt):
+    with pytest.raises(CheckpointError) as err:
+        build_model(load_tiny(ckpt), _NoMlaOps())
+    text = str(err.value)
+    assert "deepseek_v3 needs" in text and "multi-head latent attention" in text and "ops.latent_attention" in text
+    assert "MoE routing" in text and "cuda kernels do not implement yet" in text and "--device cpu" in text
+
+
+def test_the_real_cuda_backend_lacks_the_ops():
+    """What the refusal keys on: CudaOps (imported without a GPU) has none of the MLA ops."""
+    cuda_ops = pytest.importorskip("metrale.backends.cuda.ops")
+    cls = next(c for n, c in vars(cuda_ops).items() if n.endswith("Ops") and isinstance(c, type)
+               and hasattr(c, "attention"))
+    assert not any(hasattr(cls, op) for op in MLA_OPS)
+
+
+def test_mtp_layer_tensors_are_not_read_and_require_refuses(ckpt):
+    """The release's MTP layer (model.layers.{num_hidden_layers}.*) is not loaded; asking for
+    an MTP head (speculative decoding) is refused naming the model type."""
+    with pytest.raises(CheckpointError, match="'deepseek_v3' has no MTP head"):
+        build_model(load_tiny(ckpt), CpuOps(), mtp="require")
+    assert build_model(load_tiny(ckpt), CpuOps()).mtp is None
+
+
+def test_the_tiny_checkpoint_serves_a_chat_request(tmp_path):
+    path = make_tiny_deepseek("deepseek_v3", tmp_path / "model", max_position_embeddings=4096)
+    write_qwen_tokenizer(path)
+    args = ["serve", path, "--model-name", "m", "--frontends", "1", "--max-seq-len", "1024", "--no-event-log"]
+    with Server(args, tmp_path / "serve.log").serving() as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        kw = dict(messages=[{"role": "user", "content": "What is the weather in Paris?"}], max_tokens=12,
+                  temperature=0)
+        whole = client.chat.completions.create(model="m", **kw).choices[0]
+        streamed = "".join(c.choices[0].delta.content or "" for c in
+                           client.chat.completions.create(model="m", stream=True, **kw))
+        assert whole.finish_reason in ("length", "stop")
+        assert whole.message.content and streamed == whole.message.content
