@@ -22,7 +22,7 @@ from metrale.models.checkpoint import CheckpointError
 from metrale.models.registry import build_model
 from test_models import Harness, rel_err
 from tests.serving import Server
-from tiny_models import (DEEPSEEK_ARCHS, VOCAB, load_tiny, make_tiny_deepseek, rewrite_config,
+from tiny_models import (DEEPSEEK_ARCHS, VOCAB, load_tiny, make_tiny_deepseek, quantize_tiny, rewrite_config,
                          write_qwen_tokenizer)
 
 PROMPT_LEN = 70
@@ -187,3 +187,27 @@ def test_the_tiny_checkpoint_serves_a_chat_request(tmp_path):
                            client.chat.completions.create(model="m", stream=True, **kw))
         assert whole.finish_reason in ("length", "stop")
         assert whole.message.content and streamed == whole.message.content
+
+
+def _forced_logits(path, prompt) -> np.ndarray:
+    h = Harness(path)
+    return h.step([prompt], [0], [h.blocks_for(len(prompt))], [2])
+
+
+@pytest.mark.parametrize("arch", DEEPSEEK_ARCHS)
+def test_block_fp8_checkpoint_matches_its_dequantised_self(tmp_path, prompt, arch):
+    """DeepSeek V3's own release format: transformers fine-grained FP8 (weight_block_size,
+    weight_scale_inv) on every linear, q_a / q_b / q_proj, kv_a_proj_with_mqa and kv_b_proj (the
+    one MLA splits into W_UK / W_UV) included; the routers kept bf16 as the release keeps them."""
+    src = make_tiny_deepseek(arch, tmp_path / "src")
+    path = quantize_tiny(src, tmp_path / "fp8", "fp8-block", keep=("mlp.gate.",), block=(8, 8))
+    ckpt = load_tiny(path)
+    quantized = {n.rsplit(".", 2)[-2] for n in ckpt.tensors if n.endswith("weight_scale_inv")}
+    assert {"kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "down_proj"} <= quantized
+    assert ({"q_a_proj", "q_b_proj"} if arch == "deepseek_v3" else {"q_proj"}) <= quantized
+    assert "gate" not in quantized
+    ours = _forced_logits(path, prompt)
+    assert rel_err(ours, fc.reference(f"{path}-dequantised", prompt)) <= fc.RTOL
+    assert rel_err(ours, fc.reference(src, prompt)) > 10 * fc.RTOL      # the quantization is real
+    # transformers' own fine-grained FP8 reader (dequantising on the CPU) agrees
+    assert rel_err(ours, fc.reference(path, prompt)) <= fc.RTOL

@@ -356,7 +356,7 @@ QUANT_FORMATS = ("fp8-block", "ct-fp8-channel", "ct-fp8-tensor", "ct-nvfp4", "mo
                  "modelopt-nvfp4")
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
             "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "mlp.gate.",
-            "shared_expert_gate")
+            "shared_expert_gate", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 E2M1_BOUNDS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
 E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, 0, -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
