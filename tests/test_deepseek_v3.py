@@ -211,3 +211,19 @@ def test_block_fp8_checkpoint_matches_its_dequantised_self(tmp_path, prompt, arc
     assert rel_err(ours, fc.reference(src, prompt)) > 10 * fc.RTOL      # the quantization is real
     # transformers' own fine-grained FP8 reader (dequantising on the CPU) agrees
     assert rel_err(ours, fc.reference(path, prompt)) <= fc.RTOL
+
+
+def test_deepseek2_gguf_is_refused_saying_what_to_serve_instead(tmp_path):
+    import gguf
+
+    from metrale.models.loader import load_checkpoint
+
+    path = str(tmp_path / "d.gguf")
+    w = gguf.GGUFWriter(path, "deepseek2")
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match="architecture 'deepseek2' is not supported.*serve the HF checkpoint"):
+        load_checkpoint(path, cache_dir=str(tmp_path))
