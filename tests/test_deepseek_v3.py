@@ -22,8 +22,9 @@ from metrale.models.checkpoint import CheckpointError
 from metrale.models.registry import build_model
 from test_models import Harness, rel_err
 from tests.serving import Server
-from tiny_models import (DEEPSEEK_ARCHS, VOCAB, load_tiny, make_tiny_deepseek, quantize_tiny, rewrite_config,
-                         write_qwen_tokenizer)
+from metrale.sampling import SamplingParams
+from tiny_models import (DEEPSEEK_ARCHS, VOCAB, add_deepseek_mtp, load_hf, load_tiny, make_tiny_deepseek,
+                         quantize_tiny, rewrite_config, write_qwen_tokenizer)
 
 PROMPT_LEN = 70
 MLA_OPS = ("mla_prologue", "latent_attention", "gather_latents", "mla_expanded_attention", "head_linear")
@@ -166,12 +167,13 @@ def test_the_real_cuda_backend_lacks_the_ops():
     assert not any(hasattr(cls, op) for op in MLA_OPS)
 
 
-def test_mtp_layer_tensors_are_not_read_and_require_refuses(ckpt):
-    """The release's MTP layer (model.layers.{num_hidden_layers}.*) is not loaded; asking for
-    an MTP head (speculative decoding) is refused naming the model type."""
-    with pytest.raises(CheckpointError, match="'deepseek_v3' has no MTP head"):
+def test_a_checkpoint_without_its_mtp_layer_loads_and_require_refuses(ckpt):
+    """HF's save_pretrained declares num_nextn_predict_layers 1 but writes no MTP layer: the
+    model loads without a head (saying why); asking for one (speculative decoding) is refused."""
+    with pytest.raises(CheckpointError, match="no MTP head: config.json declares 1 MTP layers"):
         build_model(load_tiny(ckpt), CpuOps(), mtp="require")
-    assert build_model(load_tiny(ckpt), CpuOps()).mtp is None
+    model = build_model(load_tiny(ckpt), CpuOps())
+    assert model.mtp is None and "model.layers." in model.mtp_absent
 
 
 def test_the_tiny_checkpoint_serves_a_chat_request(tmp_path):
@@ -227,3 +229,89 @@ def test_deepseek2_gguf_is_refused_saying_what_to_serve_instead(tmp_path):
     w.close()
     with pytest.raises(CheckpointError, match="architecture 'deepseek2' is not supported.*serve the HF checkpoint"):
         load_checkpoint(path, cache_dir=str(tmp_path))
+
+
+# -- the MTP layer as a drafter head (metrale.models.deepseek_mtp) -------------------------------
+def _mtp_reference(path, prompt, next_token) -> np.ndarray:
+    """The MTP layer's logits per position from HF's own modules: the main model's final hidden
+    states, the embedding of the next token (zero at position 0), enorm / hnorm / eh_proj, HF's
+    DeepseekV3DecoderLayer n over the causal sequence, shared_head.norm, the lm head."""
+    import torch
+    import transformers as tf
+    from safetensors.torch import load_file
+
+    mod = tf.models.deepseek_v3.modeling_deepseek_v3
+    hf = load_hf(path)
+    n, state = hf.config.num_hidden_layers, load_file(f"{path}/model.safetensors")
+    p = f"model.layers.{n}."
+    layer = mod.DeepseekV3DecoderLayer(hf.config, n).float().eval()
+    layer.load_state_dict({k[len(p):]: v.float() for k, v in state.items() if k.startswith(p) and
+                           not k[len(p):].startswith(("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens"))})
+    norms = {name: mod.DeepseekV3RMSNorm(hf.config.hidden_size, hf.config.rms_norm_eps) for name in
+             ("enorm", "hnorm", "shared_head.norm")}
+    for name, m in norms.items():
+        m.weight.data = state[f"{p}{name}.weight"].float()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        h = hf.model(input_ids=ids).last_hidden_state
+        e = hf.model.embed_tokens(torch.tensor([prompt[1:] + [next_token]]))
+        e[:, 0] = 0
+        x = torch.cat([norms["enorm"](e), norms["hnorm"](h)], -1) @ state[p + "eh_proj.weight"].float().T
+        pos = torch.arange(len(prompt))[None]
+        mask = torch.full((len(prompt), len(prompt)), float("-inf")).triu(1)[None, None]
+        y = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=hf.model.rotary_emb(x, pos))
+        return hf.lm_head(norms["shared_head.norm"](y))[0].numpy(), h[0].numpy()
+
+
+@pytest.fixture(scope="module")
+def mtp_ckpt(tmp_path_factory):
+    return add_deepseek_mtp(make_tiny_deepseek("deepseek_v3", tmp_path_factory.mktemp("mtp"), seed=5), seed=7)
+
+
+def test_mtp_head_matches_hf_modules_prefill_and_decode(mtp_ckpt, prompt):
+    """The head over every position at once (expanded MLA) and then one row at a time (absorbed),
+    fed HF's hidden states, against the reference; its cache is one MlaSpec."""
+    from metrale.forward import contiguous_batch
+
+    ref, hidden = _mtp_reference(mtp_ckpt, prompt, 7)
+    ops = CpuOps()
+    head = build_model(load_tiny(mtp_ckpt), ops, mtp="require").mtp
+    assert head.cache_spec().layers == (MlaSpec(32, 8),)
+    ids, bs, split = prompt[1:] + [7], 4, 50
+    table = list(range(-(-len(ids) // bs)))
+    caches = ModelCaches(head.cache_spec(), ops, len(table), bs, 0)
+    batch = contiguous_batch([ids[:split]], [0], [table], [0], bs, all_logits=True)
+    first = head.logits(head.forward(batch, hidden[:split], caches))
+    assert rel_err(first, ref[:split]) <= fc.RTOL
+    rows = [head.logits(head.forward(contiguous_batch([[ids[q]]], [q], [table], [0], bs), hidden[q: q + 1], caches))
+            for q in range(split, len(ids))]
+    assert rel_err(np.concatenate(rows), ref[split:]) <= fc.RTOL
+
+
+def test_speculative_decoding_with_the_mtp_head_keeps_greedy_output(mtp_ckpt, prompt):
+    """--speculative on the MTP head: the same greedy tokens as without, drafts proposed and
+    verified (prefix-cache hits included: the drafter's private block copies move latents)."""
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    prompts = [prompt[:40], prompt[:40] + [3, 4], prompt[:33]]
+    kw = dict(max_seq_len=256, max_batch_size=3, block_size=4, max_prefill_tokens=32, enable_prefix_caching=True)
+    plain = LLM(mtp_ckpt, **kw)
+    want = [plain.generate(p, greedy)[0].token_ids for p in prompts]
+    spec = LLM(mtp_ckpt, speculative=True, **kw)
+    first = spec.generate(prompts[0], greedy)[0].token_ids
+    assert [first] + [r.token_ids for r in spec.generate(prompts[1:], greedy)] == want
+    stats = spec.core.speculation.stats
+    assert stats.num_verifies > 0 and stats.draft_tokens >= stats.num_verifies
+    assert spec.core.speculation.mtp.num_private_copies > 0
+
+
+def test_an_incomplete_mtp_layer_is_refused(mtp_ckpt, tmp_path):
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    path = shutil.copytree(mtp_ckpt, tmp_path / "broken")
+    state = load_file(f"{path}/model.safetensors")
+    del state["model.layers.3.eh_proj.weight"]
+    save_file(state, f"{path}/model.safetensors")
+    with pytest.raises(CheckpointError, match="MTP layer is incomplete: missing model.layers.3.eh_proj.weight"):
+        build_model(load_tiny(path), CpuOps())

@@ -677,3 +677,41 @@ def make_tiny_deepseek(arch: str, path, dtype: str = "float32", seed: int = 0, *
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(str(path))
     return str(path)
+
+
+def add_deepseek_mtp(path, seed: int = 1) -> str:
+    """Add the MTP layer a DeepSeek V3 release ships (HF neither saves nor loads it) to the tiny
+    DeepSeek checkpoint at `path`, as the release stores it: decoder layer n = num_hidden_layers
+    (`model.layers.{n}.*`: the self_attn / mlp / norm tensors of a random HF layer n) plus
+    enorm, hnorm, eh_proj [H, 2H], shared_head.norm, and the release's copies of the embedding
+    and lm head (embed_tokens, shared_head.head); num_nextn_predict_layers 1. Returns `path`."""
+    import json
+
+    import torch
+    import transformers as tf
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(path, "model.safetensors")
+    state = load_file(file)
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    n, hidden = config["num_hidden_layers"], config["hidden_size"]
+    bigger_config = tf.DeepseekV3Config.from_pretrained(str(path))
+    bigger_config.num_hidden_layers = n + 1
+    torch.manual_seed(seed)
+    bigger = tf.DeepseekV3ForCausalLM(bigger_config)
+    _randomise(bigger, seed)
+    dtype = state["lm_head.weight"].dtype
+    prefix = f"model.layers.{n}."
+    extra = {k: v.detach().to(dtype).clone() for k, v in bigger.state_dict().items() if k.startswith(prefix)}
+    gen = torch.Generator().manual_seed(seed + 1)
+    if prefix + "mlp.gate.e_score_correction_bias" in extra:
+        extra[prefix + "mlp.gate.e_score_correction_bias"] = torch.randn(config["n_routed_experts"], generator=gen) * 0.3
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        extra[f"{prefix}{name}.weight"] = (1 + torch.randn(hidden, generator=gen) * 0.1).to(dtype)
+    extra[prefix + "eh_proj.weight"] = (torch.randn(hidden, 2 * hidden, generator=gen) / (2 * hidden) ** 0.5).to(dtype)
+    extra[prefix + "embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
+    extra[prefix + "shared_head.head.weight"] = state["lm_head.weight"].clone()
+    save_file({**state, **extra}, file, metadata={"format": "pt"})
+    rewrite_config(path, num_nextn_predict_layers=1)
+    return str(path)

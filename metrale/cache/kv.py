@@ -181,6 +181,14 @@ class ModelCaches:
         arrays = [a for layer in self.spec.gdn_layers for a in self._arrays[layer]]
         copy_rows(arrays, [s for s, _ in pairs], [d for _, d in pairs])
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy KV block `src` to block `dst` in every attention layer (each side, or the MLA
+        latent; quantized sides as their bytes)."""
+        for layer in self.spec.attention_layers:
+            for a in self._arrays[layer]:
+                rows = raw_blocks(a)
+                rows[dst] = rows[src]
+
     # -- swapping (metrale.cache.swap): host copies of blocks and state rows ------------------
     def read_blocks(self, block_ids) -> list[np.ndarray]:
         """Host copies of K and V of `block_ids` in every attention layer, in layer order:

@@ -35,14 +35,13 @@ Tensors: the hub / save_pretrained names (`model.layers.{i}.self_attn.q_a_proj.w
 fused `mlp.experts.gate_up_proj` [E, 2I, H], `mlp.shared_experts.*`), block FP8 or bf16
 (metrale.models.quant). kv_b_proj is also kept dequantised per head (W_UK, W_UV) for the
 absorbed form, as SGLang and vLLM do. The release's MTP layer (`model.layers.{n}.*`, n =
-num_hidden_layers) is not read here (HF reads none either; see MTP_NOTE).
+num_hidden_layers; HF reads none) is the drafter head of metrale.models.deepseek_mtp.
 
 Settings this code cannot honour are refused at load naming the field; a backend without the
 MLA and routed-MoE ops (the CUDA kernels today) refuses the checkpoint at load.
 """
 from __future__ import annotations
 
-import logging
 import math
 
 import numpy as np
@@ -54,8 +53,6 @@ from metrale.models.layers import (CausalLM, DecoderLayer, DenseMLP, NormSpec, W
 from metrale.models.quant import dense
 from metrale.models.rope import Rope, rope_from_config, rope_parameters
 
-log = logging.getLogger("metrale.models.deepseek_v3")
-
 NEEDED_OPS = {"mla_prologue": "multi-head latent attention (norm, rope and the latent cache write)",
               "latent_attention": "absorbed multi-head latent attention (decode)",
               "gather_latents": "reading a sequence's cached latents (expanded MLA prefill)",
@@ -63,8 +60,6 @@ NEEDED_OPS = {"mla_prologue": "multi-head latent attention (norm, rope and the l
               "head_linear": "per-head linears (the MLA absorption)",
               "route_topk": "grouped sigmoid MoE routing with a score-correction bias",
               "moe_topk": "MoE experts over a precomputed routing"}
-MTP_NOTE = ("DeepSeek's MTP layer (model.layers.{n}.*) is not loaded: speculative decoding with "
-            "it is not implemented for deepseek_v3 yet")
 
 
 class MlaShape:
@@ -214,27 +209,32 @@ def is_moe_layer(config: dict, i: int) -> bool:
     return i >= int(config.get("first_k_dense_replace") or 0) and i % freq == 0
 
 
+def _norm(config: dict) -> NormSpec:
+    return NormSpec(float(config.get("rms_norm_eps", 1e-6)), 0.0)
+
+
+def decoder_layer(root: Weights, config: dict, i: int, cache_layer: int) -> DecoderLayer:
+    """Decoder layer `model.layers.{i}` (its MLP kind by i), caching in cache layer
+    `cache_layer` (i for the main model, 0 for the MTP head's own cache)."""
+    ops, hidden, shape, norm = root.ops, config["hidden_size"], MlaShape(config), _norm(config)
+    w = root.sub(f"model.layers.{i}.")
+    attn = MlaAttention(w.sub("self_attn."), cache_layer, hidden, shape, norm.eps,
+                        rope_from_config(config, shape.rope), softmax_scale(config, shape.qk),
+                        bool(config.get("rope_interleave", True)), bool(config.get("attention_bias", False)))
+    mlp = (DeepseekMoe(w.sub("mlp."), config, hidden) if is_moe_layer(config, i)
+           else DenseMLP(w.sub("mlp."), hidden, config["intermediate_size"], into_norm=True))
+    return DecoderLayer(ops, attn, mlp, w.get("input_layernorm.weight", (hidden,)),
+                        w.get("post_attention_layernorm.weight", (hidden,)), norm)
+
+
 def build_deepseek_v3(ckpt: Checkpoint, ops) -> CausalLM:
     config = ckpt.config
     refuse_unsupported(config, ckpt.path)
     require_ops(ops, "deepseek_v3", NEEDED_OPS, ckpt.path)
-    hidden, n_layers = config["hidden_size"], config["num_hidden_layers"]
-    shape = MlaShape(config)
-    norm = NormSpec(float(config.get("rms_norm_eps", 1e-6)), 0.0)
-    rope = rope_from_config(config, shape.rope)
-    scale = softmax_scale(config, shape.qk)
-    interleave, bias = bool(config.get("rope_interleave", True)), bool(config.get("attention_bias", False))
-    root, layers = Weights(ckpt, ops), []
-    for i in range(n_layers):
-        w = root.sub(f"model.layers.{i}.")
-        attn = MlaAttention(w.sub("self_attn."), i, hidden, shape, norm.eps, rope, scale, interleave, bias)
-        mlp = (DeepseekMoe(w.sub("mlp."), config, hidden) if is_moe_layer(config, i)
-               else DenseMLP(w.sub("mlp."), hidden, config["intermediate_size"], into_norm=True))
-        layers.append(DecoderLayer(ops, attn, mlp, w.get("input_layernorm.weight", (hidden,)),
-                                   w.get("post_attention_layernorm.weight", (hidden,)), norm))
+    hidden, n_layers, shape = config["hidden_size"], config["num_hidden_layers"], MlaShape(config)
+    root = Weights(ckpt, ops)
+    layers = [decoder_layer(root, config, i, i) for i in range(n_layers)]
     embed, lm_head = load_embeddings(root, config, "model.")
     spec = CacheSpec(tuple(MlaSpec(shape.rank, shape.rope) for _ in range(n_layers)))
-    model = CausalLM(config, ops, spec, embed, layers, root.get("model.norm.weight", (hidden,)), lm_head, norm)
-    if any(name.startswith(f"model.layers.{n_layers}.") for name in ckpt.tensors):
-        log.info("%s: %s", ckpt.path, MTP_NOTE.format(n=n_layers))
-    return model
+    return CausalLM(config, ops, spec, embed, layers, root.get("model.norm.weight", (hidden,)), lm_head,
+                    _norm(config))
