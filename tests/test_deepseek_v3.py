@@ -4,7 +4,9 @@ transformers' DeepseekV3ForCausalLM fp32, on tiny random checkpoints of two shap
 V2-Lite style (no q LoRA, plain rope, one group, wider shared experts, two dense layers).
 The family checks (tests/family_checks.py: one-shot, prefill-then-decode, chunked prefill, mixed
 batch over dirty blocks, greedy through the engine with prefix-cache hits); the router against
-HF's; the latent cache's layout and its block moves; refusals; `met serve` answering a chat."""
+HF's; the latent cache's layout and its block moves; block FP8; refusals (CUDA, GGUF, settings);
+the MTP layer as a drafter head; `met serve` answering a chat with tools (the deepseek_v3 tool
+parser's round trip is in tests/test_family_tools.py)."""
 from __future__ import annotations
 
 import re
@@ -14,6 +16,7 @@ import openai
 import pytest
 
 import family_checks as fc
+from metrale.api.tool_parsers import default_tool_parser
 from metrale.backends.cpu import CpuOps
 from metrale.cache.kv import MlaSpec, ModelCaches
 from metrale.config import ConfigError
@@ -27,6 +30,8 @@ from tiny_models import (DEEPSEEK_ARCHS, VOCAB, add_deepseek_mtp, load_hf, load_
                          quantize_tiny, rewrite_config, write_qwen_tokenizer)
 
 PROMPT_LEN = 70
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "current weather",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 MLA_OPS = ("mla_prologue", "latent_attention", "gather_latents", "mla_expanded_attention", "head_linear")
 
 
@@ -182,13 +187,14 @@ def test_the_tiny_checkpoint_serves_a_chat_request(tmp_path):
     args = ["serve", path, "--model-name", "m", "--frontends", "1", "--max-seq-len", "1024", "--no-event-log"]
     with Server(args, tmp_path / "serve.log").serving() as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
-        kw = dict(messages=[{"role": "user", "content": "What is the weather in Paris?"}], max_tokens=12,
-                  temperature=0)
+        kw = dict(messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=[WEATHER],
+                  max_tokens=12, temperature=0)
         whole = client.chat.completions.create(model="m", **kw).choices[0]
         streamed = "".join(c.choices[0].delta.content or "" for c in
                            client.chat.completions.create(model="m", stream=True, **kw))
         assert whole.finish_reason in ("length", "stop")
         assert whole.message.content and streamed == whole.message.content
+    assert default_tool_parser("deepseek_v3") == "deepseek_v3"
 
 
 def _forced_logits(path, prompt) -> np.ndarray:
