@@ -321,3 +321,21 @@ def test_an_incomplete_mtp_layer_is_refused(mtp_ckpt, tmp_path):
     save_file(state, f"{path}/model.safetensors")
     with pytest.raises(CheckpointError, match="MTP layer is incomplete: missing model.layers.3.eh_proj.weight"):
         build_model(load_tiny(path), CpuOps())
+
+
+def test_preemption_by_swapping_latent_blocks_gives_the_same_tokens(tmp_path):
+    """A pool too small for the batch: requests are preempted, their latent blocks swapped out
+    to host memory and back (the swap space moves them by block id like any KV), prefix
+    caching on; every request's greedy tokens equal it alone through a roomy engine."""
+    from test_engine_cache import engine, prompts, run, with_swap
+
+    from metrale.models.loader import load_checkpoint
+
+    ckpt = load_checkpoint(make_tiny_deepseek("deepseek_v3", tmp_path))
+    ps = prompts()
+    want = run(engine(ckpt), [{k: v} for k, v in ps.items()])
+    core = engine(ckpt, enable_prefix_caching=True, num_kv_blocks=18, swap_space_gb=1.0)
+    swap = with_swap(core)
+    assert run(core, [ps]) == want
+    assert core.scheduler.num_preemptions > 0
+    assert swap.num_swap_outs == swap.num_swap_ins == core.scheduler.num_preemptions
