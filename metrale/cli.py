@@ -276,7 +276,7 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--disable-thinking", action="store_true", help="kill-switch for <think>")
     r.add_argument("--tool-call-parser", default=None,
                    help="hermes, qwen3_coder, qwen3_xml, gemma4, mistral, minimax_xml, "
-                        "bare_json, poolside_v1 (default: by model type)")
+                        "bare_json, poolside_v1, deepseek_v3 (default: by model type)")
     r.add_argument("--max-thinking-budget", type=int, default=None,
                    help="per-request <think> token ceiling")
     r.add_argument("--tool-max-tokens", type=int, default=8192,

@@ -30,8 +30,8 @@ The chosen token gets logit 100, every other 0: greedy picks it, and so does sam
 
     write_scripted_checkpoint(path, tokenizer_dir, scripts, ...) -> path
     make_scripted_model(path, scripts) -> path   (with its own byte-level tokenizer whose
-        `<think>`, `</think>`, `<tool_call>`, `</tool_call>` are single tokens, as in Qwen's,
-        and a Qwen-style ChatML template that renders tools, tool calls, tool results and
+        `<think>`, `</think>`, `<tool_call>`, `</tool_call>` (and DeepSeek V3's tool markers) are
+        single tokens, as in Qwen's, and a Qwen-style ChatML template that renders tools, tool calls, tool results and
         reasoning, and opens `<think>` when enable_thinking is true)
 """
 from __future__ import annotations
@@ -197,7 +197,11 @@ SCRIPTED_TEMPLATE = """
 {% endif %}{% endif %}"""
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-TAG_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
+TAG_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>",
+              # DeepSeek V3's tool-call markers, single tokens as in its tokenizer (byte pieces of
+              # their multi-byte characters would decode to U+FFFD mid-reply)
+              "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+              "<｜tool▁call▁end｜>", "<｜tool▁sep｜>")
 
 
 def make_scripted_model(path, scripts: list[dict], template: str = SCRIPTED_TEMPLATE) -> str:

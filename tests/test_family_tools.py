@@ -1,6 +1,6 @@
-"""The Gemma 4 and MiniMax M2 tool-call formats end to end through `met serve` and the official
+"""The Gemma 4, MiniMax M2 and DeepSeek V3 tool-call formats end to end through `met serve` and the official
 `openai` SDK: a full round trip (the model calls get_weather, the client sends the result back,
-the model answers) with --tool-call-parser gemma4 and minimax_xml, on the scripted test model
+the model answers) with --tool-call-parser gemma4, minimax_xml and deepseek_v3, on the scripted test model
 (tests.scripted_model: a tiny random model never writes a call), streamed equal to non-streamed.
 And the tiny random Gemma 4 and MiniMax M2 checkpoints themselves served by `met serve` on the
 CPU backend (their tool parser picked by model type), answering a chat request with tools
@@ -24,6 +24,8 @@ CALLS = {
     "gemma4": '<|tool_call>call:get_weather{city:<|"|>Paris, FR<|"|>,days:3}<tool_call|>',
     "minimax_xml": ('<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris, FR'
                     '</parameter>\n<parameter name="days">3</parameter>\n</invoke>\n</minimax:tool_call>'),
+    "deepseek_v3": ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
+                    '{"city": "Paris, FR", "days": 3}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
 }
 ANSWER = "It is 18C and sunny in Paris."
 

@@ -161,6 +161,13 @@ CASES = {
     "poolside_v1": [
         'Ok.\n<tool_call>{"name": "ping", "arguments": {}}</tool_call>',
     ],
+    "deepseek_v3": [
+        'Let me check.\n\n<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city": "Oslo", "days": 2}\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>ping\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+        '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Rome"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+        '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>write_file\n```json\n{"path": "/x"',
+        '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>nope<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+        "<｜tool▁calls▁begin｜>not a call<｜tool▁calls▁end｜> bye",
+    ],
 }
 CASES["qwen3_xml"] = CASES["qwen3_coder"]
 ALL_CASES = [(name, text) for name, texts in CASES.items() for text in texts]
@@ -189,6 +196,7 @@ FUZZ_PIECES = {
     "mistral": ["[TOOL_CALLS]", "ping", "[ARGS]", "[CALL_ID]", "[", "]", "{", "}", '{"name": "ping", "arguments": {}}', ",", '"', " ", "x"],
     "gemma4": ["<|tool_call>", "<tool_call|>", "call:ping{}", "call:", "ping", "get_weather", "{", "}", "days:", "3", '<|"|>', ",", "[", "]", "x"],
     "bare_json": ['{"name": "ping", "arguments": {}}', "{", "}", "[", "]", '"name": ', '"ping"', ", ", '"arguments": {}', "```json\n", "```", " ", "x"],
+    "deepseek_v3": ["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "function", "ping", "\n", "```json\n", "```", "{}", '{"city": "x"}', "<｜", " "],
 }
 
 
@@ -342,6 +350,16 @@ def test_bare_json_non_calls_are_content(text, malformed):
     assert parse("bare_json", text) == (text, [], malformed)
 
 
+def test_deepseek_v3_reads_both_generations_of_its_format():
+    content, calls, malformed = parse("deepseek_v3", CASES["deepseek_v3"][0])
+    assert (content, calls, malformed) == ("Let me check.", [("get_weather", {"city": "Oslo", "days": 2}), ("ping", {})], False)
+    assert parse("deepseek_v3", CASES["deepseek_v3"][1]) == ("", [("get_weather", {"city": "Rome"})], False)
+    assert parse("deepseek_v3", CASES["deepseek_v3"][2])[1] == [("write_file", {"path": "/x"})]   # cut: repaired
+    for text in CASES["deepseek_v3"][3:]:
+        content, calls, malformed = parse("deepseek_v3", text)
+        assert (content, calls, malformed) == (text, [], True)
+
+
 def test_bare_json_plain_text_streams_immediately():
     parser = make_tool_parser("bare_json", TOOLS)
     assert parser.feed("Hello") == [TextDelta("Hello")]
@@ -351,7 +369,8 @@ def test_bare_json_plain_text_streams_immediately():
 def test_well_formed_calls_leave_no_tool_syntax_in_content(name, text):
     content, calls, malformed = parse(name, text)
     if not malformed and calls:
-        for marker in ("<tool_call>", "</tool_call>", "<function=", "[TOOL_CALLS]", "<|tool_call>", "<invoke", '"arguments"'):
+        for marker in ("<tool_call>", "</tool_call>", "<function=", "[TOOL_CALLS]", "<|tool_call>", "<invoke", '"arguments"',
+                       "<｜tool▁call"):
             assert marker not in content
 
 
@@ -369,7 +388,7 @@ def test_unknown_parser_name_is_a_clear_error():
 @pytest.mark.parametrize("model_type,expected", [
     ("qwen3_5", "qwen3_coder"), ("qwen3_5_moe", "qwen3_coder"), ("qwen3", "hermes"), ("qwen2", "hermes"),
     ("llama", "bare_json"), ("mistral", "mistral"), ("gemma3", "gemma4"), ("gemma4_text", "gemma4"),
-    ("minimax_m2", "minimax_xml"), ("gpt2", None),
+    ("minimax_m2", "minimax_xml"), ("deepseek_v3", "deepseek_v3"), ("gpt2", None),
 ])
 def test_default_tool_parser_by_model_type(model_type, expected):
     assert default_tool_parser(model_type) == expected

@@ -356,7 +356,7 @@ QUANT_FORMATS = ("fp8-block", "ct-fp8-channel", "ct-fp8-tensor", "ct-nvfp4", "mo
                  "modelopt-nvfp4")
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
             "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "mlp.gate.",
-            "shared_expert_gate")
+            "shared_expert_gate", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 E2M1_BOUNDS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
 E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, 0, -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
@@ -625,4 +625,93 @@ def make_tiny_gemma4_multimodal(path, seed: int = 0, **overrides) -> str:
     _randomise(model, seed)
     os.makedirs(path, exist_ok=True)
     model.eval().save_pretrained(str(path))
+    return str(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek V3: DeepseekV3ForCausalLM checkpoints (metrale.models.deepseek_v3)
+
+DEEPSEEK_ARCHS = ("deepseek_v3", "deepseek_v3_lite")
+
+_DEEPSEEK_V3 = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+    routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16,
+    qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=3, first_k_dense_replace=1,
+    norm_topk_prob=True, max_position_embeddings=512, rms_norm_eps=1e-6, rope_interleave=True,
+    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    # YaRN with DeepSeek V3's mscale settings (mscale == mscale_all_dim: attention factor 1, the
+    # softmax scale times mscale(factor)^2)
+    rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                     "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "rope_theta": 10000.0},
+)
+
+_DEEPSEEK_CONFIGS = {
+    "deepseek_v3": _DEEPSEEK_V3,
+    # V2-Lite style: no q LoRA (q_proj), not interleaved, plain rope, softmax routing groups of 1,
+    # the shared experts twice as wide, no renormalisation
+    "deepseek_v3_lite": dict(_DEEPSEEK_V3, q_lora_rank=None, rope_interleave=False, n_group=1, topk_group=1,
+                             n_shared_experts=2, norm_topk_prob=False, routed_scaling_factor=1.0,
+                             first_k_dense_replace=2, num_hidden_layers=4,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+}
+
+
+def make_tiny_deepseek(arch: str, path, dtype: str = "float32", seed: int = 0, **overrides) -> str:
+    """A tiny random DeepseekV3ForCausalLM checkpoint (DEEPSEEK_ARCHS) in `path`, parameters
+    perturbed as make_tiny does and the routers' e_score_correction_bias randomised (HF inits
+    it to zeros). Returns `path` as str."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    model = tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(**dict(_DEEPSEEK_CONFIGS[arch], **overrides)))
+    _randomise(model, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.3)
+    model = model.to(getattr(torch, dtype)).eval()
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+def add_deepseek_mtp(path, seed: int = 1) -> str:
+    """Add the MTP layer a DeepSeek V3 release ships (HF neither saves nor loads it) to the tiny
+    DeepSeek checkpoint at `path`, as the release stores it: decoder layer n = num_hidden_layers
+    (`model.layers.{n}.*`: the self_attn / mlp / norm tensors of a random HF layer n) plus
+    enorm, hnorm, eh_proj [H, 2H], shared_head.norm, and the release's copies of the embedding
+    and lm head (embed_tokens, shared_head.head); num_nextn_predict_layers 1. Returns `path`."""
+    import json
+
+    import torch
+    import transformers as tf
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(path, "model.safetensors")
+    state = load_file(file)
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    n, hidden = config["num_hidden_layers"], config["hidden_size"]
+    bigger_config = tf.DeepseekV3Config.from_pretrained(str(path))
+    bigger_config.num_hidden_layers = n + 1
+    torch.manual_seed(seed)
+    bigger = tf.DeepseekV3ForCausalLM(bigger_config)
+    _randomise(bigger, seed)
+    dtype = state["lm_head.weight"].dtype
+    prefix = f"model.layers.{n}."
+    extra = {k: v.detach().to(dtype).clone() for k, v in bigger.state_dict().items() if k.startswith(prefix)}
+    gen = torch.Generator().manual_seed(seed + 1)
+    if prefix + "mlp.gate.e_score_correction_bias" in extra:
+        extra[prefix + "mlp.gate.e_score_correction_bias"] = torch.randn(config["n_routed_experts"], generator=gen) * 0.3
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        extra[f"{prefix}{name}.weight"] = (1 + torch.randn(hidden, generator=gen) * 0.1).to(dtype)
+    extra[prefix + "eh_proj.weight"] = (torch.randn(hidden, 2 * hidden, generator=gen) / (2 * hidden) ** 0.5).to(dtype)
+    extra[prefix + "embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
+    extra[prefix + "shared_head.head.weight"] = state["lm_head.weight"].clone()
+    save_file({**state, **extra}, file, metadata={"format": "pt"})
+    rewrite_config(path, num_nextn_predict_layers=1)
     return str(path)

@@ -177,19 +177,63 @@ class FamilyOps(Protocol):
         out as [gate | up] -> [T, I], or, with `up` given, gelu_tanh(x) * up of two [T, N]."""
 
     def route_topk(self, logits: Array, top_k: int, scoring: str, renormalize: bool,
-                   bias: Array | None = None, expert_scale: Array | None = None):
+                   bias: Array | None = None, expert_scale: Array | None = None,
+                   groups: tuple[int, int] | None = None, scale: float = 1.0):
         """An MoE router's choice from its logits [T, E] (fp32): scores = softmax(logits) or
         sigmoid(logits) (`scoring` "softmax" | "sigmoid"); the top_k experts by scores + bias
         (`bias` [E], the score-correction bias of sigmoid routers, used for the choice only);
         weights = their scores, divided by their sum when `renormalize`, then multiplied by
-        expert_scale[expert] when given ([E], Gemma 4's per_expert_scale). Returns (weights
-        [T, top_k] fp32, experts [T, top_k] int32)."""
+        expert_scale[expert] when given ([E], Gemma 4's per_expert_scale) and by `scale`
+        (DeepSeek's routed_scaling_factor). `groups` = (n_group, topk_group): DeepSeek V3's
+        group-limited choice: the E experts split into n_group contiguous groups, each scored
+        by the sum of its two best scores + bias, and the top_k taken only from the topk_group
+        best groups. Returns (weights [T, top_k] fp32, experts [T, top_k] int32)."""
 
     def moe_topk(self, x: Array, weights: Array, experts: Array, gate_up: Array, down: Array,
                  activation: str = "silu") -> Array:
         """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) with each expert a gated MLP
         down(act(gate(x)) * up(x)), act "silu" | "gelu_tanh": gate_up [E, 2I, H] ([gate | up]),
         down [E, H, I]; x [T, H] -> [T, H]."""
+
+
+class MlaOps(Protocol):
+    """Ops of multi-head latent attention (metrale.models.deepseek_v3). Per head h:
+    q = [q_nope (Dn) | q_pe (Dr)], the key [W_UK[h] c (Dn) | k_pe (Dr)], the value W_UV[h] c (Dv),
+    where c [R] (the normalised compressed latent) and k_pe [Dr] (one roped key shared by every
+    head) are what the paged latent cache [num_blocks, block_size, R + Dr] holds per token
+    (metrale.cache.kv.MlaSpec). Decode attends over the latents directly (the absorbed form);
+    prefill expands them to per-head keys and values (the expanded form). A backend without
+    these refuses DeepSeek checkpoints at load."""
+
+    def mla_prologue(self, q: Array, kv: Array, kv_norm_w: Array, eps: float, positions: Array,
+                     inv_freq: Array, attention_factor: float, latent_cache: Array,
+                     batch: ForwardBatch) -> Array:
+        """q [T, H, Dn + Dr], kv [T, R + Dr] (the kv_a projection: [c | k_pe], not yet normed
+        nor roped; both may be strided views of one projection). Writes [rms_norm(c) * kv_norm_w
+        | rope(k_pe) * attention_factor] at batch.slot_mapping (negative slot = skipped);
+        returns q with its last Dr dims of every head roped and times attention_factor (the
+        YaRN factor on cos and sin). Rope is rotate-half over the Dr dims, inv_freq [Dr / 2]."""
+
+    def latent_attention(self, q_latent: Array, q_pe: Array, latent_cache: Array,
+                         batch: ForwardBatch, scale: float) -> Array:
+        """The absorbed form: causal attention of each new token over its sequence's latent
+        rows (context + new tokens, already written): score = scale * (q_latent . c + q_pe .
+        k_pe), output sum_k p_k c_k. q_latent [T, H, R] (q_nope through W_UK), q_pe [T, H, Dr]
+        -> [T, H, R] (the caller applies W_UV)."""
+
+    def gather_latents(self, latent_cache: Array, batch: ForwardBatch) -> Array:
+        """Every latent row of each sequence (positions 0 .. seq_lens[i] - 1), sequence after
+        sequence: [sum(seq_lens), R + Dr]."""
+
+    def mla_expanded_attention(self, q: Array, kv: Array, k_pe: Array, batch: ForwardBatch,
+                               scale: float) -> Array:
+        """The expanded form: causal attention with per-head keys [kv[..., :Dn] | k_pe] and
+        values kv[..., Dn:] over rows laid out as gather_latents gives them: q [T, H, Dn + Dr],
+        kv [S, H, Dn + Dv] (kv_b of the gathered latents), k_pe [S, Dr] -> [T, H, Dv]."""
+
+    def head_linear(self, x: Array, w: Array) -> Array:
+        """A linear per head: out[t, h] = w[h] @ x[t, h]: x [T, H, in], w [H, out, in] ->
+        [T, H, out] (fp32 accumulation)."""
 
 
 def missing_ops(ops, needed: dict[str, str]) -> list[str]:

@@ -373,7 +373,8 @@ class CpuOps:
             x, up = x[..., :half], x[..., half:]
         return self._out(_gelu_tanh(x) * _f32(up))
 
-    def route_topk(self, logits, top_k, scoring, renormalize, bias=None, expert_scale=None):
+    def route_topk(self, logits, top_k, scoring, renormalize, bias=None, expert_scale=None,
+                   groups=None, scale=1.0):
         logits = _f32(logits)
         if scoring == "softmax":
             scores = np.exp(logits - logits.max(axis=-1, keepdims=True))
@@ -383,12 +384,16 @@ class CpuOps:
         else:
             raise ValueError(f"unknown router scoring {scoring!r}")
         choice = scores if bias is None else scores + _f32(bias)
+        if groups is not None:
+            choice = _limit_to_groups(choice, *groups)
         experts = np.argsort(-choice, axis=-1, kind="stable")[:, :top_k]
         weights = np.take_along_axis(scores, experts, axis=-1)
         if renormalize:
             weights = weights / weights.sum(axis=-1, keepdims=True)
         if expert_scale is not None:
             weights = weights * _f32(expert_scale)[experts]
+        if scale != 1.0:
+            weights = weights * F32(scale)
         return weights.astype(F32), experts.astype(np.int32)
 
     def moe_topk(self, x, weights, experts, gate_up, down, activation="silu"):
@@ -403,6 +408,83 @@ class CpuOps:
             y = (act(h[:, :half]) * h[:, half:]) @ _f32(down[e]).T
             np.add.at(out, tok, y * weights[tok, pick][:, None])
         return self._out(out)
+
+    # -- ops of multi-head latent attention (base.MlaOps) ------------------------------------
+    def mla_prologue(self, q, kv, kv_norm_w, eps, positions, inv_freq, attention_factor, latent_cache, batch):
+        rope_dim = 2 * int(np.asarray(inv_freq).shape[0])
+        rank = kv.shape[-1] - rope_dim
+        q, kv = _f32(q).copy(), _f32(kv)
+        q_pe, k_pe = self.rope(q[..., -rope_dim:], kv[:, None, rank:], positions, inv_freq, rope_dim)
+        q[..., -rope_dim:] = _f32(q_pe) * F32(attention_factor)
+        rows = np.concatenate([self.rms_norm(kv[:, :rank], kv_norm_w, eps, 0.0),
+                               self._out(_f32(k_pe[:, 0]) * F32(attention_factor))], axis=-1)
+        slots = np.asarray(batch.slot_mapping, dtype=np.int64)
+        keep = slots >= 0
+        latent_cache.reshape(-1, latent_cache.shape[-1])[slots[keep]] = rows[keep]
+        return self._out(q)
+
+    def latent_attention(self, q_latent, q_pe, latent_cache, batch, scale):
+        rank = q_latent.shape[-1]
+        out = np.zeros(q_latent.shape, dtype=F32)
+        rows_of = latent_cache.reshape(-1, latent_cache.shape[-1])
+        for i in range(batch.num_seqs):
+            rows = _seq_rows(batch, i)
+            if rows.stop == rows.start:
+                continue
+            lat = _f32(rows_of[_seq_slots(batch, i, int(batch.seq_lens[i]))])
+            scores = (np.einsum("qhr,kr->hqk", _f32(q_latent[rows]), lat[:, :rank])
+                      + np.einsum("qhp,kp->hqk", _f32(q_pe[rows]), lat[:, rank:])) * F32(scale)
+            probs = _causal_softmax(scores, _context_len(batch, i))
+            out[rows] = np.einsum("hqk,kr->qhr", probs, lat[:, :rank])
+        return self._out(out)
+
+    def gather_latents(self, latent_cache, batch):
+        rows_of = latent_cache.reshape(-1, latent_cache.shape[-1])
+        slots = [_seq_slots(batch, i, int(batch.seq_lens[i])) for i in range(batch.num_seqs)]
+        return rows_of[np.concatenate(slots) if slots else np.zeros(0, np.int64)]
+
+    def mla_expanded_attention(self, q, kv, k_pe, batch, scale):
+        rope_dim = k_pe.shape[-1]
+        nope = q.shape[-1] - rope_dim
+        out = np.zeros(q.shape[:2] + (kv.shape[-1] - nope,), dtype=F32)
+        start = 0
+        for i in range(batch.num_seqs):
+            rows, length = _seq_rows(batch, i), int(batch.seq_lens[i])
+            keys = slice(start, start + length)
+            start += length
+            if rows.stop == rows.start:
+                continue
+            qi, kvi = _f32(q[rows]), _f32(kv[keys])
+            scores = (np.einsum("qhn,khn->hqk", qi[..., :nope], kvi[..., :nope])
+                      + np.einsum("qhp,kp->hqk", qi[..., nope:], _f32(k_pe[keys]))) * F32(scale)
+            probs = _causal_softmax(scores, _context_len(batch, i))
+            out[rows] = np.einsum("hqk,khv->qhv", probs, kvi[..., nope:])
+        return self._out(out)
+
+    def head_linear(self, x, w):
+        return self._out(np.einsum("thi,hoi->tho", _f32(x), _f32(self._dense(w))))
+
+
+def _causal_softmax(scores: np.ndarray, context_len: int) -> np.ndarray:
+    """Softmax over the last axis of scores [..., Lq, Lk] where query j sits at position
+    context_len + j and key k at position k (later keys masked)."""
+    lq, lk = scores.shape[-2:]
+    mask = np.arange(lk)[None, :] <= (context_len + np.arange(lq))[:, None]
+    scores = np.where(mask, scores, -np.inf)
+    scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return scores / scores.sum(axis=-1, keepdims=True)
+
+
+def _limit_to_groups(choice: np.ndarray, n_group: int, topk_group: int) -> np.ndarray:
+    """choice [T, E] with every expert outside the topk_group best of n_group contiguous groups
+    (each scored by the sum of its two best choices) set to -inf."""
+    t, e = choice.shape
+    grouped = choice.reshape(t, n_group, e // n_group)
+    group_scores = -np.sort(-grouped, axis=-1)[..., :2].sum(axis=-1)            # [T, n_group]
+    keep = np.argsort(-group_scores, axis=-1, kind="stable")[:, :topk_group]
+    mask = np.zeros((t, n_group), dtype=bool)
+    np.put_along_axis(mask, keep, True, axis=-1)
+    return np.where(np.repeat(mask, e // n_group, axis=-1), choice, -np.inf).astype(F32)
 
 
 def _gelu_tanh(x: np.ndarray) -> np.ndarray:

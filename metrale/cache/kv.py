@@ -6,6 +6,9 @@ A model describes what each layer needs with a `CacheSpec` (one entry per decode
     attention layer:  k, v   [num_blocks, block_size, n_kv_heads, head_dim]        (ops.dtype)
                              or, per side in a quantized KV format, a QuantKvCache over bytes
                              [num_blocks, block_bytes] (metrale.cache.kv_dtypes: the layouts)
+    MLA layer:        latent [num_blocks, block_size, kv_lora_rank + rope_dim]         (ops.dtype)
+                             per token the normalised compressed latent c_kv, then the shared
+                             roped key k_pe (multi-head latent attention: DeepSeek V2 / V3)
     GDN layer:        conv   [num_state_slots, conv_dim, kernel_size - 1]          (ops.dtype)
                       ssm    [num_state_slots, n_v_heads, head_k_dim, head_v_dim]  (fp32, or
                              f16 / bf16 with --ssm-h-dtype f16-pool / bf16-pool)
@@ -37,6 +40,23 @@ class AttentionSpec:
 
 
 @dataclass(frozen=True)
+class MlaSpec:
+    """A multi-head latent attention layer's paged cache (metrale.models.deepseek_v3): one
+    [kv_lora_rank + rope_dim] row per token, in the activation dtype. It is planned like any
+    attention layer (`kv_dtype`), but only unquantized rows are implemented: a quantized plan
+    is refused by bytes_per_block (ValueError, which the engine reports as a config error)."""
+    kv_lora_rank: int
+    rope_dim: int
+    kv_dtype: tuple[str, str] = (BF16, BF16)
+
+    def bytes_per_block(self, block_size: int, dtype) -> int:
+        if tuple(self.kv_dtype) != (BF16, BF16):
+            raise ValueError(f"the multi-head latent attention cache (DeepSeek) is kept in the activation "
+                             f"dtype only, not {'/'.join(self.kv_dtype)}; use --kv-cache-dtype bf16")
+        return block_size * (self.kv_lora_rank + self.rope_dim) * np.dtype(dtype).itemsize
+
+
+@dataclass(frozen=True)
 class GdnSpec:
     """A Gated DeltaNet layer's recurrent state: conv window + delta-rule state."""
     conv_dim: int
@@ -54,11 +74,12 @@ class GdnSpec:
 @dataclass(frozen=True)
 class CacheSpec:
     """What every decoder layer of a model caches, in layer order."""
-    layers: tuple[AttentionSpec | GdnSpec, ...]
+    layers: tuple[AttentionSpec | MlaSpec | GdnSpec, ...]
 
     @property
     def attention_layers(self) -> list[int]:
-        return [i for i, s in enumerate(self.layers) if isinstance(s, AttentionSpec)]
+        """The layers whose cache is paged KV blocks (AttentionSpec and MlaSpec)."""
+        return [i for i, s in enumerate(self.layers) if isinstance(s, (AttentionSpec, MlaSpec))]
 
     @property
     def gdn_layers(self) -> list[int]:
@@ -105,6 +126,10 @@ class ModelCaches:
         self._arrays: list[tuple] = [self._allocate(i, s) for i, s in enumerate(spec.layers)]
 
     def _allocate(self, layer: int, layer_spec) -> tuple:
+        if isinstance(layer_spec, MlaSpec):
+            layer_spec.bytes_per_block(self.block_size, self.ops.dtype)       # refuses a quantized plan
+            width = layer_spec.kv_lora_rank + layer_spec.rope_dim
+            return (self.ops.zeros((self.num_blocks, self.block_size, width)),)
         if isinstance(layer_spec, AttentionSpec):
             return tuple(make_kv_side(fmt, self.ops, layer, side, self.num_blocks, self.block_size,
                                       layer_spec.n_kv_heads, layer_spec.head_dim,
@@ -118,6 +143,12 @@ class ModelCaches:
         """(k_cache, v_cache) of attention layer `layer`."""
         self._expect(layer, AttentionSpec)
         return self._arrays[layer]
+
+    def latent(self, layer: int):
+        """The latent cache [num_blocks, block_size, kv_lora_rank + rope_dim] of MLA layer
+        `layer`."""
+        self._expect(layer, MlaSpec)
+        return self._arrays[layer][0]
 
     def state(self, layer: int) -> tuple:
         """(conv_state, ssm_state) of GDN layer `layer`."""
@@ -150,11 +181,20 @@ class ModelCaches:
         arrays = [a for layer in self.spec.gdn_layers for a in self._arrays[layer]]
         copy_rows(arrays, [s for s, _ in pairs], [d for _, d in pairs])
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy KV block `src` to block `dst` in every attention layer (each side, or the MLA
+        latent; quantized sides as their bytes)."""
+        for layer in self.spec.attention_layers:
+            for a in self._arrays[layer]:
+                rows = raw_blocks(a)
+                rows[dst] = rows[src]
+
     # -- swapping (metrale.cache.swap): host copies of blocks and state rows ------------------
     def read_blocks(self, block_ids) -> list[np.ndarray]:
         """Host copies of K and V of `block_ids` in every attention layer, in layer order:
         [k, v, k, v, ...], each [len(block_ids), block_size, n_kv_heads, head_dim], or the raw
-        bytes [len(block_ids), block_bytes] of a quantized side (moved unchanged)."""
+        bytes [len(block_ids), block_bytes] of a quantized side (moved unchanged); an MLA layer
+        adds its one latent array [len(block_ids), block_size, kv_lora_rank + rope_dim]."""
         idx = self.ops.asarray(np.asarray(block_ids, dtype=np.int64), dtype=np.int64)
         return [self.ops.to_numpy(raw_blocks(a)[idx]) for layer in self.spec.attention_layers
                 for a in self._arrays[layer]]

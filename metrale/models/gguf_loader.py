@@ -29,6 +29,12 @@ from metrale.models.checkpoint import Checkpoint, CheckpointError
 SUPPORTED_ARCHITECTURES = ("llama", "minimax-m2")
 SUPPORTED_QUANT_TYPES = tuple(
     GGMLQuantizationType[t] for t in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"))
+# Architectures llama.cpp writes that have a model here but no GGUF mapping yet: what to do instead.
+UNMAPPED_ARCHITECTURES = {
+    "deepseek2": ("DeepSeek V2 / V3 GGUF files (llama.cpp splits kv_b_proj into attn_k_b / attn_v_b and "
+                  "renames the router, the MLA norms and the MTP layer) are not mapped yet; serve the HF "
+                  "checkpoint (bf16, or DeepSeek's block-FP8 release) instead"),
+}
 SUPPORTED_TOKENIZER_MODELS = ("gpt2",)
 # llama.cpp pre-tokenizer names whose split is GPT-2's byte-level regex.
 SUPPORTED_PRE_TOKENIZERS = ("default", "gpt2", "gpt-2", "smollm")
@@ -59,9 +65,10 @@ def load_gguf(path: str, cache_dir: str | None = None, name: str | None = None) 
     meta = GGUFMetadata(reader, path)
     architecture = meta.get("general.architecture")
     if architecture not in SUPPORTED_ARCHITECTURES:
+        hint = UNMAPPED_ARCHITECTURES.get(architecture)
         raise CheckpointError(
             f"{path}: GGUF architecture {architecture!r} is not supported; supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}" + (f". {hint}" if hint else ""))
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     config = (minimax_m2_config(meta, has_output) if architecture == "minimax-m2"
               else llama_config(meta, has_output))

@@ -157,7 +157,7 @@ class SparseMoe:
                  renormalize: bool, shared_intermediate: int = 0):
         self.ops, self.top_k, self.renormalize = w.ops, top_k, renormalize
         self.fused_shared = bool(shared_intermediate) and shared_intermediate == intermediate
-        gate_up, down = _expert_tensors(w.sub("experts."), hidden, n_experts, intermediate)
+        gate_up, down = expert_tensors(w.sub("experts."), hidden, n_experts, intermediate)
         if self.fused_shared:
             sw = w.sub("shared_expert.")
             self.router = w.rows([("gate.weight", (n_experts, hidden)),
@@ -184,7 +184,7 @@ class SparseMoe:
         return y + shared
 
 
-def _expert_tensors(w: Weights, hidden: int, n: int, inter: int):
+def expert_tensors(w: Weights, hidden: int, n: int, inter: int):
     """(gate_up [n, 2I, H], down [n, H, I]) as stored (host arrays: memory-mapped numpy, or
     device arrays of checkpoints synthesised on the GPU)."""
     if w.has("gate_up_proj"):

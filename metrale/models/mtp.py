@@ -200,6 +200,9 @@ def attach_mtp(model: CausalLM, ckpt: Checkpoint, ops, mode: str = "auto") -> Ca
     model.mtp, model.mtp_absent = None, ""
     if mode == "off":
         return model
+    if ckpt.model_type == "deepseek_v3":     # its MTP layer is stored as one more decoder layer
+        from metrale.models.deepseek_mtp import attach_deepseek_mtp
+        return attach_deepseek_mtp(model, ckpt, ops, mode)
     model_type = _TEXT_TYPES.get(ckpt.model_type, ckpt.model_type)
     if model_type not in MTP_MODEL_TYPES:
         if mode == "require":

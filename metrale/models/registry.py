@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Callable
 
 from metrale.models.checkpoint import Checkpoint, CheckpointError
+from metrale.models.deepseek_v3 import build_deepseek_v3
 from metrale.models.gemma4 import build_gemma4
 from metrale.models.layers import CausalLM
 from metrale.models.llama import build_llama_family
@@ -28,6 +29,7 @@ _BUILDERS: dict[str, Callable[[Checkpoint, object], CausalLM]] = {
     "mistral": build_llama_family,
     "gemma4": build_gemma4,
     "minimax_m2": build_minimax_m2,
+    "deepseek_v3": build_deepseek_v3,
 }
 
 # text-config spellings of the same architectures (a loader that flattens text_config may keep them)

@@ -74,6 +74,11 @@ def rope_from_config(config: dict, head_dim: int, default_partial: float = 1.0) 
     return Rope(inv_freq.astype(np.float32), rotary_dim, attention_factor)
 
 
+def rope_parameters(config: dict) -> dict:
+    """The checkpoint's rope settings, rope_parameters merged over the legacy rope_scaling."""
+    return _rope_params(config)[0]
+
+
 def _rope_params(config: dict) -> tuple[dict, str]:
     """The rope settings merged (rope_parameters over rope_scaling) and the field to name in
     errors."""

@@ -343,7 +343,6 @@ class MtpDrafter:
             st.broken = True            # not a prefix hit (those end on blocks): cannot follow
             return
         tokens = req.all_token_ids
-        k_cache, v_cache = self.caches.kv(0)
         wanted = []
         for lb in range(start // bs):
             block, ours = table[lb], int(tokens[(lb + 1) * bs])
@@ -361,8 +360,7 @@ class MtpDrafter:
             view[lb] = blk
         for lb, block, ours in wanted:
             private = st.private[lb][0]
-            k_cache[private] = k_cache[block]
-            v_cache[private] = v_cache[block]
+            self.caches.copy_block(block, private)
             pos = (lb + 1) * bs - 1
             fixes.add_seq([ours], pos, view[: lb + 1], [private * bs + bs - 1], [block])
             self.num_private_copies += 1

@@ -10,7 +10,7 @@ non-streamed results cannot disagree. `parser.malformed` is True when tool-call 
 not be read as a call (it went out as content): the API then finishes with "stop".
 
 Formats (`--tool-call-parser`): hermes, qwen3_coder, qwen3_xml, mistral, gemma4, minimax_xml,
-bare_json, poolside_v1; each class docstring gives the exact wire format it reads.
+bare_json, poolside_v1, deepseek_v3; each class docstring gives the exact wire format it reads.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from metrale.api.tool_parsers.events import (
 from metrale.api.tool_parsers.gemma4 import Gemma4Parser
 from metrale.api.tool_parsers.json_formats import (
     BareJsonParser,
+    DeepseekV3Parser,
     HermesParser,
     MistralParser,
     PoolsideV1Parser,
@@ -53,6 +54,7 @@ PARSERS: dict[str, type[ToolParser]] = {
     "minimax_xml": MinimaxXmlParser,
     "bare_json": BareJsonParser,
     "poolside_v1": PoolsideV1Parser,
+    "deepseek_v3": DeepseekV3Parser,
 }
 
 _DEFAULTS_BY_MODEL_TYPE = {
@@ -67,6 +69,7 @@ _DEFAULTS_BY_MODEL_TYPE = {
     "mistral": "mistral",
     "mistral3": "mistral",
     "mixtral": "mistral",
+    "deepseek_v3": "deepseek_v3",
 }
 _DEFAULTS_BY_PREFIX = {"gemma": "gemma4", "minimax": "minimax_xml"}
 
@@ -102,6 +105,7 @@ def default_tool_parser(model_type: str) -> Optional[str]:
 __all__ = [
     "PARSERS",
     "BareJsonParser",
+    "DeepseekV3Parser",
     "Gemma4Parser",
     "HermesParser",
     "IdFactory",

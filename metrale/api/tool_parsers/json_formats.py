@@ -1,4 +1,4 @@
-"""Tool-call formats whose calls are JSON: hermes, poolside_v1, mistral, bare_json.
+"""Tool-call formats whose calls are JSON: hermes, poolside_v1, mistral, bare_json, deepseek_v3.
 
 Arguments of these formats are emitted once per call, as the canonical JSON of the parsed
 object (one `ToolArgsDelta` when the call is complete), so the streamed arguments are the
@@ -40,6 +40,60 @@ class HermesParser(DelimitedBlockParser):
 
     def _parse_body(self, body: str) -> Optional[list[ParsedCall]]:
         return calls_from_json_text(body)
+
+
+class DeepseekV3Parser(DelimitedBlockParser):
+    """`deepseek_v3` (DeepSeek-V3 / V3-0324 / R1 and V3.1+ chat templates; their special tokens
+    use U+FF5C "｜" and U+2581 "▁").
+
+    Wire format, all calls of a turn in one block, text allowed before it:
+
+        <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather
+        ```json
+        {"city": "Paris"}
+        ```<｜tool▁call▁end｜><｜tool▁call▁begin｜>...<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+
+    V3.1 and later drop the type and the fence: `<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>
+    {"city": "Paris"}<｜tool▁call▁end｜>`; both are read. The arguments are one JSON object
+    (repairs: see `jsonfix`). A block with anything but calls in it is content; a missing
+    `<｜tool▁calls▁end｜>` at the end of the stream is repaired.
+    """
+
+    CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+    end_tags = {CALLS_BEGIN: CALLS_END}
+
+    def _parse_body(self, body: str) -> Optional[list[ParsedCall]]:
+        calls, rest = [], body.strip()
+        while rest:
+            if not rest.startswith(self.CALL_BEGIN):
+                return None
+            end = rest.find(self.CALL_END)
+            call = _deepseek_call(rest[len(self.CALL_BEGIN): end if end >= 0 else len(rest)], self.SEP)
+            if call is None:
+                return None
+            calls.append(call)
+            rest = "" if end < 0 else rest[end + len(self.CALL_END):].strip()
+        return calls or None
+
+
+def _deepseek_call(text: str, sep: str) -> Optional[ParsedCall]:
+    """(name, arguments) of one DeepSeek call body: `function<sep>NAME`, a newline and the
+    arguments in a ```json fence (V3), or `NAME<sep>{...}` (V3.1)."""
+    head, found, tail = text.partition(sep)
+    if not found:
+        return None
+    if head.strip() == "function":
+        name, _, args = tail.partition("\n")
+        args = _strip_fence(args.strip())
+    else:
+        name, args = head, tail
+    name = name.strip()
+    try:
+        value = loads_lenient(args.strip()) if args.strip() else {}
+    except ValueError:
+        return None
+    return (name, value) if name and isinstance(value, dict) else None
 
 
 class PoolsideV1Parser(HermesParser):
