@@ -67,6 +67,7 @@ _DEFAULTS_BY_MODEL_TYPE = {
     "mistral": "mistral",
     "mistral3": "mistral",
     "mixtral": "mistral",
+    "nemotron_h": "qwen3_coder",     # the Nemotron 3 releases' chat template writes Qwen3-Coder XML calls
 }
 _DEFAULTS_BY_PREFIX = {"gemma": "gemma4", "minimax": "minimax_xml"}
 
