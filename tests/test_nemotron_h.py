@@ -178,6 +178,19 @@ def test_cache_spec_holds_the_mamba_and_attention_blocks_only(ckpt):
     assert len(model.layers) == 6
 
 
+def test_dummy_weights_build_and_run(moe_ckpt):
+    """--load-format dummy (benchmarks of real shapes): the builder gets every tensor it asks for."""
+    from metrale.cache.kv import ModelCaches
+    from metrale.models.dummy import dummy_from
+
+    ops = CpuOps()
+    model = build_model(dummy_from(load_tiny(moe_ckpt), "cpu"), ops)
+    caches = ModelCaches(model.cache_spec(), ops, 8, 16, 2)
+    batch = contiguous_batch([list(range(1, 20))], [0], [[0, 1]], [1], 16)
+    logits = model.forward(batch, caches)
+    assert logits.shape == (1, VOCAB) and np.isfinite(logits).all()
+
+
 @pytest.mark.parametrize("changes, message", [
     (dict(mamba_hidden_act="gelu"), "mamba_hidden_act 'gelu'"),
     (dict(mlp_hidden_act="silu"), "mlp_hidden_act 'silu'"),

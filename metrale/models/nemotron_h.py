@@ -277,8 +277,9 @@ def _mixer(kind: str, w: Weights, i: int, config: dict, m: MambaShape, eps: floa
     if kind == "linear_attention":
         return Mamba2Mixer(w, i, hidden, m, eps), m.spec()
     if kind == "full_attention":
-        hq, hk = int(config["num_attention_heads"]), int(config.get("num_key_value_heads") or config["num_attention_heads"])
-        d = int(config.get("head_dim") or hidden // hq)
+        # HF NemotronHConfig's defaults where config.json leaves a key out: 8 KV heads, head_dim 128
+        hq = int(config["num_attention_heads"])
+        hk, d = int(config.get("num_key_value_heads", 8) or hq), int(config.get("head_dim") or 128)
         return NemotronAttention(w, i, hidden, hq, hk, d), AttentionSpec(hk, d)
     if kind == "mlp":
         return Relu2MLP(w, hidden, int(config["intermediate_size"]), bool(config.get("mlp_bias", False))), None
