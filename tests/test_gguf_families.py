@@ -96,3 +96,17 @@ def test_gemma4_gguf_is_refused_naming_the_architecture(tmp_path):
     w.close()
     with pytest.raises(CheckpointError, match="architecture 'gemma4' is not supported"):
         load_checkpoint(path, cache_dir=str(tmp_path))
+
+
+@pytest.mark.parametrize("arch", ["nemotron_h", "nemotron_h_moe"])
+def test_nemotron_h_gguf_is_refused_saying_why(tmp_path, arch):
+    path = str(tmp_path / "n.gguf")
+    w = gguf.GGUFWriter(path, arch)
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match=f"architecture '{arch}' is not loaded from GGUF: .*"
+                                              f"time_step_min.*serve the HF checkpoint folder instead"):
+        load_checkpoint(path, cache_dir=str(tmp_path))

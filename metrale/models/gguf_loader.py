@@ -7,7 +7,8 @@
   HF transformers' GGUF loader does, so they match the HF checkpoint the GGUF was made from.
 - The config is synthesized in HF Llama form from the `llama.*` metadata.
 - `minimax-m2` files load the same way in HF MiniMax M2 form (`minimax_m2_config`,
-  `minimax_m2_tensor_name`; no Q/K permutation to undo). Gemma 4 (`gemma4`) is not mapped yet.
+  `minimax_m2_tensor_name`; no Q/K permutation to undo). Gemma 4 (`gemma4`) is not mapped yet;
+  Nemotron-H (`nemotron_h`, `nemotron_h_moe`) is refused naming why (NOT_FROM_GGUF).
 - The tokenizer is rebuilt in HF `tokenizers` JSON form from the `tokenizer.ggml.*` metadata and
   written to a content-addressed cache file, whose path becomes `Checkpoint.tokenizer_json`.
 """
@@ -27,6 +28,12 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from metrale.models.checkpoint import Checkpoint, CheckpointError
 
 SUPPORTED_ARCHITECTURES = ("llama", "minimax-m2")
+# architectures llama.cpp writes that we serve from their HF checkpoints only: why, and what to do
+_NEMOTRON_H_GGUF = ("llama.cpp's converter rewrites the Nemotron-H checkpoint (A_log stored as "
+                    "-exp(A_log), D and the gated norm reshaped, per-layer head / FFN arrays for the "
+                    "block pattern, the vocab padded) and drops time_step_min, which the Mamba-2 scan "
+                    "clamps dt with; serve the HF checkpoint folder instead")
+NOT_FROM_GGUF = {"nemotron_h": _NEMOTRON_H_GGUF, "nemotron_h_moe": _NEMOTRON_H_GGUF}
 SUPPORTED_QUANT_TYPES = tuple(
     GGMLQuantizationType[t] for t in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"))
 SUPPORTED_TOKENIZER_MODELS = ("gpt2",)
@@ -58,6 +65,9 @@ def load_gguf(path: str, cache_dir: str | None = None, name: str | None = None) 
     reader = open_reader(path)
     meta = GGUFMetadata(reader, path)
     architecture = meta.get("general.architecture")
+    if architecture in NOT_FROM_GGUF:
+        raise CheckpointError(f"{path}: GGUF architecture {architecture!r} is not loaded from GGUF: "
+                              f"{NOT_FROM_GGUF[architecture]}")
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(
             f"{path}: GGUF architecture {architecture!r} is not supported; supported: "
