@@ -4,8 +4,9 @@ attention without rope, relu2 MLPs; the MoE variant with latent relu2 experts, a
 scaled sigmoid routing and biases everywhere). The common family checks (one-shot, prefill then
 decode, chunked prefill at sizes off the SSD chunk, mixed batches, engine greedy with prefix-cache
 hits) run in tests/test_family_logits.py; here: the SSD scan's forms against each other, the dt
-clamp, the checkpoint layouts and config spellings, refusals, preemption and prefix caching
-through the engine, speculative decoding, and the refusal on a backend without the ops (CUDA).
+clamp, the checkpoint layouts and config spellings, refusals, preemption (recompute and swap) and
+prefix caching through the engine, speculative decoding (drafted and self-speculative), a 16-bit
+state pool, and the refusal on a backend without the ops (CUDA). GGUF: tests/test_gguf_families.py.
 
 Tolerance: 1e-4 relative to the largest logit, as every family (observed ~1e-6)."""
 from __future__ import annotations
@@ -341,3 +342,36 @@ def test_speculation_with_prefix_snapshots_chunked_prefill_and_preemption(checkp
     tight = sp.with_replay(sp.engine(checkpoints["nemotron_h"], drafts=4, num_kv_blocks=18), expected, 0.7)
     assert sp.run(tight, prompts, params, waves=1) == expected
     assert tight.scheduler.num_preemptions > 0
+
+
+def test_self_speculation_with_no_layer_skipped_keeps_the_greedy_output(checkpoints, spec_expected,
+                                                                        monkeypatch):
+    """--self-speculative with every block kept: its draft chains run the Mamba-2 blocks from
+    scratch state rows, so the drafts are the target's greedy continuation and nearly all kept."""
+    import test_speculative as sp
+
+    monkeypatch.setenv("METRALE_SELF_SPEC_SKIP", "none")
+    prompts, params, expected = spec_expected
+    core = sp.engine(checkpoints["nemotron_h"], self_speculative=True, num_drafts=4, max_batch_size=2)
+    assert sp.run(core, prompts, params, waves=2) == expected["nemotron_h"]
+    st = core.speculation.stats
+    assert st.accepted_tokens >= 0.95 * st.draft_tokens > 0
+
+
+@pytest.mark.parametrize("pool, bound", [("f16-pool", 3e-3), ("bf16-pool", 2.5e-2)])
+def test_a_16bit_state_pool_stays_close_to_hf(ckpt, prompt, ref, pool, bound):
+    """--ssm-h-dtype: the Mamba-2 states rounded to 16 bits between steps (chunks of 7, then
+    decode), within tests/test_ssm_pool_dtype.py's bounds for GDN."""
+    from metrale.cache.kv import ModelCaches
+    from metrale.config import ssm_pool_dtype
+
+    ops = CpuOps()
+    model = build_model(load_tiny(ckpt), ops)
+    caches = ModelCaches(model.cache_spec(), ops, 16, 16, 3, ssm_dtype=ssm_pool_dtype(pool))
+    assert caches.state(0)[1].dtype == ssm_pool_dtype(pool)
+    outs, pos = [], 0
+    for n in [7] * 6 + [1] * 18:
+        batch = contiguous_batch([prompt[pos:pos + n]], [pos], [list(range(5))], [1], 16, True)
+        outs.append(model.forward(batch, caches))
+        pos += n
+    assert fc.rel_err(np.concatenate(outs), ref[:pos]) <= bound

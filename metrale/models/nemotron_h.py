@@ -29,7 +29,8 @@ pool (metrale.cache.kv.Mamba2Spec): chunked prefill, prefix-cache snapshots, pre
 speculative verify rows work as for Qwen3.5's GDN layers.
 
 Tensors load from `model.*` (transformers 5) or `backbone.*` (the hub release); experts stacked
-(`experts.up_proj` [E, I, H']) or per expert (`experts.{e}.up_proj.weight`). The MTP layers of
+(`experts.up_proj` [E, I, H']) or per expert (`experts.{e}.up_proj.weight`), or a llama.cpp
+GGUF file (metrale.models.gguf_loader maps it to the transformers 5 layout). The MTP layers of
 Nemotron 3 releases are not read (HF reads none either). Settings this code cannot honour are
 refused at load naming the field; a backend without the Mamba-2 ops (CUDA today) refuses the
 checkpoint at load.
