@@ -57,18 +57,21 @@ def check_mixed_batch(path, prompt, ref) -> None:
     assert rel_err(out[18:], ref[:26]) <= RTOL
 
 
-def check_engine_greedy(path, prompt) -> None:
+def check_engine_greedy(path, prompt, min_cached: int = 32) -> None:
     """Greedy tokens through the engine: prompts sharing a prefix, with the prefix cache (hits
-    on full blocks, some off the block boundary) and batched, equal each prompt alone with no
-    cache; the HF argmax of the first token agrees."""
+    on full blocks, some off the block boundary; each later prompt resumes from at least
+    `min_cached` cached tokens) and batched, equal each prompt alone with no cache; the HF
+    argmax of the first token agrees."""
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     prompts = [prompt[:50], prompt[:50] + [5, 6, 7], prompt[:37] + [9], prompt[:64]]
     plain = LLM(path, max_seq_len=256, max_batch_size=1, block_size=8, enable_prefix_caching=False)
     alone = [plain.generate(p, greedy)[0].token_ids for p in prompts]
+    # hybrid models (Nemotron-H) snapshot their recurrent state every 8 tokens; attention-only
+    # models ignore the interval
     cached = LLM(path, max_seq_len=256, max_batch_size=4, block_size=8, max_prefill_tokens=24,
-                 enable_prefix_caching=True)
+                 enable_prefix_caching=True, ssm_checkpoint_interval=8)
     first = cached.generate(prompts[0], greedy)[0]
     rest = cached.generate(prompts[1:], greedy)
     assert [first.token_ids] + [r.token_ids for r in rest] == alone
-    assert all(r.num_cached_tokens >= 32 for r in rest)
+    assert all(r.num_cached_tokens >= min_cached for r in rest)
     assert int(np.argmax(reference(path, prompts[0])[-1])) == alone[0][0]

@@ -2,7 +2,7 @@
 `openai` SDK: a full round trip (the model calls get_weather, the client sends the result back,
 the model answers) with --tool-call-parser gemma4, minimax_xml and deepseek_v3, on the scripted test model
 (tests.scripted_model: a tiny random model never writes a call), streamed equal to non-streamed.
-And the tiny random Gemma 4 and MiniMax M2 checkpoints themselves served by `met serve` on the
+And the tiny random Gemma 4, MiniMax M2 and Nemotron-H checkpoints themselves served by `met serve` on the
 CPU backend (their tool parser picked by model type), answering a chat request with tools
 identically streamed and not."""
 from __future__ import annotations
@@ -77,7 +77,7 @@ def test_tool_round_trip(scripted):
     assert second.choices[0].finish_reason == "stop" and not second.choices[0].message.tool_calls
 
 
-@pytest.mark.parametrize("arch", ["gemma4_moe", "minimax_m2"])
+@pytest.mark.parametrize("arch", ["gemma4_moe", "minimax_m2", "nemotron_h_moe"])
 def test_the_tiny_checkpoint_serves_chat_with_tools(arch, tmp_path):
     path = make_tiny_family(arch, tmp_path / "model", max_position_embeddings=4096)
     write_qwen_tokenizer(path)

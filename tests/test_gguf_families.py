@@ -1,9 +1,9 @@
-"""GGUF files of the MiniMax M2 architecture (`minimax-m2`), written with the gguf package's
-writer the way llama.cpp's MiniMaxM2Model converter writes them (HF tensor names mapped by
-gguf's tensor map, the experts' w1 / w3 / w2 stacked per layer, e_score_correction_bias as
-exp_probs_b, rotary_dim as rope.dimension_count, the experts' width as
-expert_feed_forward_length; no Q/K permutation), load to the logits HF computes from the source
-checkpoint."""
+"""GGUF files written with the gguf package's writer the way llama.cpp's converters write them,
+loading to the logits HF computes from the source checkpoint: MiniMax M2 (`minimax-m2`: HF
+tensor names mapped by gguf's tensor map, the experts' w1 / w3 / w2 stacked per layer,
+e_score_correction_bias as exp_probs_b, rotary_dim as rope.dimension_count, the experts' width
+as expert_feed_forward_length; no Q/K permutation) and Nemotron-H (`nemotron_h`,
+`nemotron_h_moe`: see _write_nemotron_h_gguf)."""
 from __future__ import annotations
 
 import gguf
@@ -96,3 +96,123 @@ def test_gemma4_gguf_is_refused_naming_the_architecture(tmp_path):
     w.close()
     with pytest.raises(CheckpointError, match="architecture 'gemma4' is not supported"):
         load_checkpoint(path, cache_dir=str(tmp_path))
+
+
+
+# Nemotron-H the way llama.cpp's NemotronHModel converter writes it (a GraniteHybridModel /
+# Mamba2Model): the per-layer head_count_kv / feed_forward_length arrays give the block pattern,
+# A_log as A = -exp(A_log) [H, 1], D [H, 1], the conv weight squeezed, the gated norm [G, I / G],
+# dt_bias as ssm_dt.bias, Q / K rows permuted as llama's, the experts stacked per layer
+_NEMOTRON_H_NAMES = {"norm": "attn_norm", "mixer.q_proj": "attn_q", "mixer.k_proj": "attn_k",
+                     "mixer.v_proj": "attn_v", "mixer.o_proj": "attn_output", "mixer.in_proj": "ssm_in",
+                     "mixer.conv1d": "ssm_conv1d", "mixer.norm": "ssm_norm", "mixer.out_proj": "ssm_out",
+                     "mixer.up_proj": "ffn_up", "mixer.down_proj": "ffn_down", "mixer.gate": "ffn_gate_inp",
+                     "mixer.shared_experts.up_proj": "ffn_up_shexp",
+                     "mixer.shared_experts.down_proj": "ffn_down_shexp",
+                     "mixer.fc1_latent_proj": "ffn_latent_down", "mixer.fc2_latent_proj": "ffn_latent_up"}
+
+
+def _permute(w, n_head):
+    """llama.cpp's LlamaModel.permute (the converter's Q / K row order)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _nemotron_h_tensor(config, name, value):
+    """(GGUF name, tensor) of one HF tensor of layer-local name `name`, as the converter writes it."""
+    heads, groups = config["num_attention_heads"], config["n_groups"]
+    if name == "mixer.A_log":
+        return "ssm_a", -np.exp(value).reshape(-1, 1)
+    if name == "mixer.D":
+        return "ssm_d", value.reshape(-1, 1)
+    if name == "mixer.dt_bias":
+        return "ssm_dt.bias", value
+    if name == "mixer.gate.e_score_correction_bias":
+        return "exp_probs_b.bias", value
+    base, kind = name.rsplit(".", 1)
+    if name == "mixer.conv1d.weight":
+        value = value.squeeze(1)
+    elif name == "mixer.norm.weight":
+        value = value.reshape(groups, -1)
+    elif name == "mixer.q_proj.weight":
+        value = _permute(value, heads)
+    elif name == "mixer.k_proj.weight":
+        value = _permute(value, config["num_key_value_heads"])
+    return f"{_NEMOTRON_H_NAMES[base]}.{kind}", value
+
+
+def _write_nemotron_h_gguf(src: str, dst: str, vocab: list[str]) -> str:
+    import json
+
+    config = json.load(open(f"{src}/config.json"))
+    state = load_file(f"{src}/model.safetensors")
+    types, moe = config["layers_block_type"], "moe" in config["layers_block_type"]
+    arch = "nemotron_h_moe" if moe else "nemotron_h"
+    ffn = config["moe_intermediate_size"] if moe else config["intermediate_size"]
+    w = gguf.GGUFWriter(dst, arch)
+    w.add_context_length(2 ** 20)
+    w.add_embedding_length(config["hidden_size"])
+    w.add_block_count(len(types))
+    w.add_feed_forward_length([ffn if t in ("mlp", "moe") else 0 for t in types])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv([config["num_key_value_heads"] if t == "full_attention" else 0 for t in types])
+    w.add_key_length(config["head_dim"])
+    w.add_value_length(config["head_dim"])
+    w.add_layer_norm_rms_eps(config["layer_norm_epsilon"])
+    w.add_ssm_conv_kernel(config["conv_kernel"])
+    w.add_ssm_state_size(config["ssm_state_size"])
+    w.add_ssm_group_count(config["n_groups"])
+    w.add_ssm_inner_size(config["mamba_num_heads"] * config["mamba_head_dim"])
+    w.add_ssm_time_step_rank(config["mamba_num_heads"])
+    if moe:
+        w.add_expert_used_count(config["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        w.add_expert_shared_feed_forward_length(config["moe_shared_expert_intermediate_size"])
+        w.add_expert_count(config["n_routed_experts"])
+        w.add_expert_shared_count(config["n_shared_experts"])
+        w.add_expert_weights_norm(config["norm_topk_prob"])
+        w.add_expert_weights_scale(config["routed_scaling_factor"])
+        w.add_expert_group_count(config["n_group"])
+        w.add_moe_latent_size(config["moe_latent_size"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(vocab)
+    w.add_token_types([gguf.TokenType.CONTROL] * len(SPECIALS) + [gguf.TokenType.NORMAL] * (len(vocab) - len(SPECIALS)))
+    w.add_token_merges(MERGES)
+    w.add_eos_token_id(2)
+    w.add_tensor("token_embd.weight", state["backbone.embeddings.weight"])
+    w.add_tensor("output.weight", state["lm_head.weight"])
+    w.add_tensor("output_norm.weight", state["backbone.norm_f.weight"])
+    for i in range(len(types)):
+        p = f"backbone.layers.{i}."
+        layer = {k[len(p):]: v for k, v in state.items() if k.startswith(p)}
+        for proj in ("up_proj", "down_proj"):
+            per = [layer.pop(f"mixer.experts.{e}.{proj}.weight") for e in range(config.get("n_routed_experts", 0))
+                   if f"mixer.experts.{e}.{proj}.weight" in layer]
+            if per:
+                w.add_tensor(f"blk.{i}.ffn_{proj.split('_')[0]}_exps.weight", np.stack(per))
+        for name, value in layer.items():
+            gguf_name, tensor = _nemotron_h_tensor(config, name, value)
+            w.add_tensor(f"blk.{i}.{gguf_name}", np.ascontiguousarray(tensor))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.mark.parametrize("arch", ["nemotron_h", "nemotron_h_moe"])
+def test_nemotron_h_gguf_matches_hf(tmp_path, arch):
+    vocab = _vocab()
+    src = make_tiny_family(arch, tmp_path / "hf", vocab_size=len(vocab))
+    path = _write_nemotron_h_gguf(src, str(tmp_path / "tiny.gguf"), vocab)
+    ckpt = load_checkpoint(path, cache_dir=str(tmp_path))
+    assert ckpt.config["model_type"] == "nemotron_h"
+    assert ckpt.config["layers_block_type"] == load_hf(src).config.layers_block_type
+    ops = CpuOps()
+    model = build_model(ckpt, ops)
+    ids = list(np.random.default_rng(0).integers(0, len(vocab), 40))
+    caches = ModelCaches(model.cache_spec(), ops, 8, 16, 2)
+    batch = contiguous_batch([ids], [0], [[0, 1, 2]], [1], 16, all_logits=True)
+    ours = ops.to_numpy(model.forward(batch, caches))
+    ref = hf_logits(load_hf(src), ids)
+    assert float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref))) <= 1e-4

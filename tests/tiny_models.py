@@ -549,9 +549,10 @@ _QUANT_CONFIGS = {"fp8-block": _config_fp8_block, "ct-fp8-channel": _config_ct("
 
 
 # ---------------------------------------------------------------------------------------------
-# Gemma 4 (text) and MiniMax M2: *ForCausalLM checkpoints (metrale.models.gemma4 / minimax_m2)
+# Gemma 4 (text), MiniMax M2, Nemotron-H: *ForCausalLM checkpoints (metrale.models.gemma4 /
+# minimax_m2 / nemotron_h)
 
-FAMILY_ARCHS = ("gemma4_dense", "gemma4_moe", "minimax_m2")
+FAMILY_ARCHS = ("gemma4_dense", "gemma4_moe", "minimax_m2", "nemotron_h", "nemotron_h_moe")
 
 _GEMMA4_TEXT = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
@@ -562,6 +563,17 @@ _GEMMA4_TEXT = dict(
     rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                      "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                         "rope_theta": 1000000.0}},
+)
+
+# Nemotron-H: Mamba-2 heads of 8 in 2 groups with a 16-token SSD chunk (a 70-token prompt spans
+# five chunks), attention without rope, relu2 MLPs
+_NEMOTRON_H = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=512, layer_norm_epsilon=1e-5,
+    mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=16, conv_kernel=4,
+    chunk_size=16, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention", "mlp",
+                       "linear_attention"],
 )
 
 _FAMILY_CONFIGS = {
@@ -578,11 +590,21 @@ _FAMILY_CONFIGS = {
                        num_experts_per_tok=2, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
                        rope_parameters={"rope_type": "default", "rope_theta": 5e6,
                                         "partial_rotary_factor": 0.5}),
+    "nemotron_h": _NEMOTRON_H,
+    # MoE blocks (latent experts, a shared expert, scaled sigmoid routing), biases on every
+    # projection that can have one, tie_word_embeddings set (HF's NemotronHForCausalLM still
+    # keeps its own lm_head), one attention block
+    "nemotron_h_moe": dict(_NEMOTRON_H, layers_block_type=["linear_attention", "moe", "full_attention",
+                                                           "linear_attention", "moe"],
+                           n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                           moe_shared_expert_intermediate_size=48, moe_latent_size=32,
+                           routed_scaling_factor=2.5, norm_topk_prob=True, use_bias=True,
+                           mlp_bias=True, tie_word_embeddings=True),
 }
 
 
 def make_tiny_family(arch: str, path, dtype: str = "float32", seed: int = 0, **overrides) -> str:
-    """A tiny random Gemma4ForCausalLM / MiniMaxM2ForCausalLM checkpoint (FAMILY_ARCHS) in
+    """A tiny random Gemma4ForCausalLM / MiniMaxM2ForCausalLM / NemotronHForCausalLM checkpoint (FAMILY_ARCHS) in
     `path`. Parameters are perturbed as make_tiny does, and so are the buffers that change the
     math (Gemma 4's layer_scalar, MiniMax's e_score_correction_bias), which HF inits to
     constants. Returns `path` as str."""
@@ -593,6 +615,8 @@ def make_tiny_family(arch: str, path, dtype: str = "float32", seed: int = 0, **o
     torch.manual_seed(seed)
     if arch.startswith("gemma4"):
         model = tf.Gemma4ForCausalLM(tf.Gemma4TextConfig(**text))
+    elif arch.startswith("nemotron_h"):
+        model = tf.NemotronHForCausalLM(tf.NemotronHConfig(**text))
     else:
         model = tf.MiniMaxM2ForCausalLM(tf.MiniMaxM2Config(**text))
     _randomise(model, seed)

@@ -236,6 +236,50 @@ class MlaOps(Protocol):
         [T, H, out] (fp32 accumulation)."""
 
 
+class Mamba2Ops(Protocol):
+    """Ops the Nemotron-H family adds (metrale.models.nemotron_h): the Mamba-2 mixer's biased
+    conv and SSD scan, its grouped gated norm, and the squared-ReLU MLPs and experts. A backend
+    without one of them refuses the model at load (`missing_ops`), naming the feature.
+
+    The scan's state lives in the GDN state pool (metrale.cache.kv.Mamba2Spec): per Mamba-2
+    layer conv [slots, conv_dim, K - 1] and ssm [slots, H, P, N] (fp32, or the pool's
+    --ssm-h-dtype), so chunked prefill, prefix snapshots, preemption and verify rows
+    (`ForwardBatch.state_out`) work as for GDN."""
+
+    def causal_conv1d_bias(self, x: Array, weight: Array, bias: Array, conv_state: Array,
+                           batch: ForwardBatch) -> Array:
+        """`causal_conv1d` with a per-channel bias [C] added before the SiLU (Mamba's conv1d
+        with use_conv_bias); the same conv-state contract, state_out rows included."""
+
+    def ssd_scan(self, x: Array, dt: Array, B: Array, C: Array, A_log: Array, D: Array,
+                 dt_bias: Array, dt_limit: tuple[float, float], ssm_state: Array,
+                 batch: ForwardBatch, chunk_size: int) -> Array:
+        """The Mamba-2 selective scan (SSD) per sequence, continuing from
+        ssm_state[state_slots[i]] ([H, P, N]; zeros when the sequence starts fresh), updated
+        in place. x [T, H, P]; dt [T, H] raw (before dt_bias); B, C [T, G, N], head h reading
+        group h // (H // G). With A = -exp(A_log) [H] and
+        delta = clamp(softplus(dt + dt_bias), *dt_limit) (fp32):
+            state <- state * exp(delta * A) + delta * x (outer) B;   y = state . C + D * x.
+        Multi-token runs use the chunked SSD form over chunks of `chunk_size` tokens from the
+        run's start (HF's torch_chunk_scan, mamba_ssm's ssd_combined), single tokens and the
+        rows of a verify window (`batch.state_out`: the state after each such token also goes
+        to its row) the recurrent form. Returns y [T, H, P]."""
+
+    def group_rms_norm_gated(self, x: Array, z: Array, w: Array, eps: float,
+                             group_size: int) -> Array:
+        """Mamba-2's gated norm, gate first (norm_before_gate=False): y = x * silu(z), then an
+        RMSNorm over each group of `group_size` channels of the last dim, times w (not
+        zero-centred). x, z [T, I], w [I] -> [T, I]."""
+
+    def relu2(self, x: Array) -> Array:
+        """relu(x)^2 (Nemotron's squared-ReLU MLP activation), elementwise."""
+
+    def moe_topk_relu2(self, x: Array, weights: Array, experts: Array, up: Array,
+                       down: Array) -> Array:
+        """`moe_topk` with non-gated squared-ReLU experts down(relu2(up(x))) (Nemotron-H's MoE):
+        up [E, I, H], down [E, H, I]; weights, experts [T, top_k]; x [T, H] -> [T, H]."""
+
+
 def missing_ops(ops, needed: dict[str, str]) -> list[str]:
     """The features of `needed` (op name -> what it is) that backend `ops` lacks."""
     return [f"{what} (ops.{name})" for name, what in needed.items() if not callable(getattr(ops, name, None))]

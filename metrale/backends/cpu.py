@@ -154,6 +154,59 @@ def _chunked_delta_rule(q, k, v, g, beta, state):
     return out.transpose(1, 0, 2), state
 
 
+# -- Mamba-2 selective scan (SSD) ---------------------------------------------------------------
+
+@numba.njit(cache=True, fastmath=False)
+def _ssd_recurrent(x, delta, decay, B, C, state):
+    """Token-by-token Mamba-2 scan of one sequence, state updated in place (mamba_ssm's
+    selective_state_update). x [L, H, P], delta, decay [L, H] (decay = delta * A), B, C
+    [L, H, N] (groups already expanded to heads), state [H, P, N] fp32 -> y [L, H, P] (no D)."""
+    L, H, P = x.shape
+    N = B.shape[2]
+    y = np.zeros((L, H, P), dtype=np.float32)
+    for t in range(L):
+        for h in range(H):
+            da = np.exp(decay[t, h])
+            for p in range(P):
+                xdt = x[t, h, p] * delta[t, h]
+                acc = np.float32(0.0)
+                for n in range(N):
+                    s = state[h, p, n] * da + xdt * B[t, h, n]
+                    state[h, p, n] = s
+                    acc += s * C[t, h, n]
+                y[t, h, p] = acc
+    return y
+
+
+def _ssd_chunk(x, delta, decay, B, C, state):
+    """One chunk of the SSD scan (HF torch_chunk_scan / mamba_ssm ssd_combined, one chunk):
+    the intra-chunk part as masked attention C_i . B_j * exp(sum decay[j+1..i]) over x_j delta_j,
+    the carried-in state read through C with the decay from the chunk start, and the state
+    carried out. Decay sums in fp64 (exact segment sums; HF's segsum is the stable fp32 form
+    of the same). Layouts as _ssd_recurrent; returns (y [L, H, P], new state)."""
+    # head-major contiguous copies: numpy's batched matmul over strided views is ~50x slower
+    xdt, B, C = (np.ascontiguousarray(a.transpose(1, 0, 2)) for a in (x * delta[:, :, None], B, C))
+    cum = np.cumsum(decay.astype(np.float64), axis=0).T                # [H, L]
+    L = cum.shape[1]
+    seg = np.where(np.tril(np.ones((L, L), dtype=bool)), cum[:, :, None] - cum[:, None, :], -np.inf)
+    y = ((C @ B.transpose(0, 2, 1)) * np.exp(seg).astype(F32)) @ xdt   # [H, L, P] within the chunk
+    y += (C @ state.transpose(0, 2, 1)) * np.exp(cum).astype(F32)[:, :, None]
+    tail = np.exp(cum[:, -1:] - cum).astype(F32)                       # decay token -> chunk end
+    state = state * np.exp(cum[:, -1]).astype(F32)[:, None, None] + (xdt * tail[:, :, None]).transpose(0, 2, 1) @ B
+    return y.transpose(1, 0, 2), state
+
+
+def _ssd_chunked(x, delta, decay, B, C, state, chunk_size: int):
+    """The chunked SSD scan of one sequence over chunks of `chunk_size` tokens; returns
+    (y [L, H, P], final state)."""
+    L = x.shape[0]
+    y = np.empty(x.shape, dtype=F32)
+    for s in range(0, L, chunk_size):
+        c = slice(s, min(s + chunk_size, L))
+        y[c], state = _ssd_chunk(x[c], delta[c], decay[c], B[c], C[c], state)
+    return y, state.astype(F32)
+
+
 class CpuOps:
     """numpy/numba implementation of metrale.backends.base.Ops."""
 
@@ -268,6 +321,9 @@ class CpuOps:
 
     # -- Gated DeltaNet --------------------------------------------------------------------
     def causal_conv1d(self, x, weight, conv_state, batch):
+        return self._conv1d(x, weight, None, conv_state, batch)
+
+    def _conv1d(self, x, weight, bias, conv_state, batch):
         out = np.empty(x.shape, dtype=F32)
         w = _f32(weight)
         km1 = w.shape[1] - 1
@@ -280,7 +336,7 @@ class CpuOps:
             xs = np.concatenate([prev, _f32(x[rows])], axis=0)            # [K-1+L, C]
             n = rows.stop - rows.start
             acc = sum(xs[j: j + n] * w[:, j] for j in range(w.shape[1]))
-            out[rows] = _silu(acc)
+            out[rows] = _silu(acc if bias is None else acc + _f32(bias))
             if batch.state_out is not None:     # the window after each new token (verify steps)
                 for j, row in enumerate(batch.state_out[rows]):
                     if row >= 0:
@@ -346,6 +402,59 @@ class CpuOps:
             half = h.shape[-1] // 2
             y = (_silu(h[:, :half]) * h[:, half:]) @ _f32(down[e]).T
             np.add.at(out, tok, y * weights[tok, pick][:, None])
+        return self._out(out)
+
+    # -- ops of the Nemotron-H family (base.Mamba2Ops) ----------------------------------------
+    def causal_conv1d_bias(self, x, weight, bias, conv_state, batch):
+        return self._conv1d(x, weight, bias, conv_state, batch)
+
+    def ssd_scan(self, x, dt, B, C, A_log, D, dt_bias, dt_limit, ssm_state, batch, chunk_size):
+        rep = x.shape[1] // B.shape[1]
+        x32 = _f32(x)
+        B, C = (np.repeat(_f32(m), rep, axis=1) for m in (B, C))          # groups -> heads
+        delta = np.clip(np.logaddexp(F32(0), _f32(dt) + _f32(dt_bias)), dt_limit[0], dt_limit[1]).astype(F32)
+        decay = delta * -np.exp(_f32(A_log))                               # log decay per step [T, H]
+        out = np.empty(x32.shape, dtype=F32)
+        for i in range(batch.num_seqs):
+            rows = _seq_rows(batch, i)
+            if rows.stop == rows.start:     # no new tokens: the state stays
+                continue
+            slot = int(batch.state_slots[i])
+            state = (ssm_state[slot].astype(F32) if _context_len(batch, i) > 0
+                     else np.zeros(ssm_state.shape[1:], F32))
+            args = tuple(np.ascontiguousarray(a[rows]) for a in (x32, delta, decay, B, C))
+            saves = None if batch.state_out is None else batch.state_out[rows]
+            if saves is not None and (saves >= 0).any():
+                # a verify window: token by token (the decode step's form), keeping the state
+                # after each token whose row asks for it
+                for j, row in enumerate(saves):
+                    out[rows.start + j] = _ssd_recurrent(*(a[j: j + 1] for a in args), state)[0]
+                    if row >= 0:
+                        ssm_state[row] = state
+            elif rows.stop - rows.start == 1:
+                out[rows] = _ssd_recurrent(*args, state)
+            else:
+                out[rows], state = _ssd_chunked(*args, state, chunk_size)
+            ssm_state[slot] = state
+        return self._out(out + x32 * _f32(D)[:, None])
+
+    def group_rms_norm_gated(self, x, z, w, eps, group_size):
+        y = _f32(x) * _silu(_f32(z))
+        grouped = _rms(y.reshape(*y.shape[:-1], -1, group_size), eps).reshape(y.shape)
+        return self._out(grouped * _f32(w))
+
+    def relu2(self, x):
+        r = np.maximum(_f32(x), F32(0))
+        return self._out(r * r)
+
+    def moe_topk_relu2(self, x, weights, experts, up, down):
+        x32, weights, experts = _f32(x), _f32(weights), np.asarray(experts)
+        up, down = self._dense(up), self._dense(down)
+        out = np.zeros(x32.shape, dtype=F32)
+        for e in np.unique(experts):
+            tok, pick = np.nonzero(experts == e)
+            h = np.maximum(x32[tok] @ _f32(up[e]).T, F32(0))
+            np.add.at(out, tok, ((h * h) @ _f32(down[e]).T) * weights[tok, pick][:, None])
         return self._out(out)
 
     # -- ops of the Gemma 4 / MiniMax M2 families (base.FamilyOps) ---------------------------

@@ -72,6 +72,19 @@ class GdnSpec:
 
 
 @dataclass(frozen=True)
+class Mamba2Spec(GdnSpec):
+    """A Mamba-2 (SSD) layer's recurrent state, pooled with GDN's (the same state slots,
+    snapshots, verify rows and swap): the conv window over x|B|C [conv_dim, kernel_size - 1]
+    and the SSM state [n_heads, head_dim, state_size] (HF's layout), held in GdnSpec's fields
+    as n_v_heads = n_heads, head_k_dim = head_dim, head_v_dim = state_size."""
+
+    @classmethod
+    def of(cls, conv_dim: int, kernel_size: int, n_heads: int, head_dim: int,
+           state_size: int) -> "Mamba2Spec":
+        return cls(conv_dim, kernel_size, n_heads, head_dim, state_size)
+
+
+@dataclass(frozen=True)
 class CacheSpec:
     """What every decoder layer of a model caches, in layer order."""
     layers: tuple[AttentionSpec | MlaSpec | GdnSpec, ...]

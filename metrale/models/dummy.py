@@ -32,8 +32,10 @@ class DummyCheckpoint(Checkpoint):
 
     def has(self, name: str) -> bool:
         # the builders probe for the fused-expert layout and the multimodal prefix: answer with
-        # the layout HF's own Qwen3.5 MoE modules use and the plain text-model prefix
-        return name.endswith("mlp.experts.gate_up_proj") or name == "model.embed_tokens.weight"
+        # the layout HF's own Qwen3.5 MoE modules use and the plain text-model prefix (and
+        # Nemotron-H's: stacked experts, `model.embeddings`)
+        return (name.endswith(("mlp.experts.gate_up_proj", "mixer.experts.up_proj"))
+                or name in ("model.embed_tokens.weight", "model.embeddings.weight"))
 
     def tensor(self, name: str, shape: tuple[int, ...] | None = None):
         if shape is None:

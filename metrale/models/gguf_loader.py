@@ -8,6 +8,10 @@
 - The config is synthesized in HF Llama form from the `llama.*` metadata.
 - `minimax-m2` files load the same way in HF MiniMax M2 form (`minimax_m2_config`,
   `minimax_m2_tensor_name`; no Q/K permutation to undo). Gemma 4 (`gemma4`) is not mapped yet.
+- `nemotron_h` / `nemotron_h_moe` files load in HF Nemotron-H form (`nemotron_h_config`,
+  `nemotron_h_tensor_name`, `nemotron_h_tensor`: the block pattern read back from the per-layer
+  head_count_kv / feed_forward_length arrays, llama.cpp's Mamba-2 rewrites undone, Q/K
+  un-permuted). The file does not carry time_step_min: HF's default 0.001 (every release's).
 - The tokenizer is rebuilt in HF `tokenizers` JSON form from the `tokenizer.ggml.*` metadata and
   written to a content-addressed cache file, whose path becomes `Checkpoint.tokenizer_json`.
 """
@@ -26,7 +30,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from metrale.models.checkpoint import Checkpoint, CheckpointError
 
-SUPPORTED_ARCHITECTURES = ("llama", "minimax-m2")
+SUPPORTED_ARCHITECTURES = ("llama", "minimax-m2", "nemotron_h", "nemotron_h_moe")
 SUPPORTED_QUANT_TYPES = tuple(
     GGMLQuantizationType[t] for t in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"))
 # Architectures llama.cpp writes that have a model here but no GGUF mapping yet: what to do instead.
@@ -70,8 +74,11 @@ def load_gguf(path: str, cache_dir: str | None = None, name: str | None = None) 
             f"{path}: GGUF architecture {architecture!r} is not supported; supported: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}" + (f". {hint}" if hint else ""))
     has_output = any(t.name == "output.weight" for t in reader.tensors)
-    config = (minimax_m2_config(meta, has_output) if architecture == "minimax-m2"
-              else llama_config(meta, has_output))
+    if architecture.startswith("nemotron_h"):
+        config = nemotron_h_config(meta, architecture, {t.name for t in reader.tensors})
+    else:
+        config = (minimax_m2_config(meta, has_output) if architecture == "minimax-m2"
+                  else llama_config(meta, has_output))
     tensors = GGUFTensors(reader, path, config)
     tokenizer = build_tokenizer(meta)
     return Checkpoint(
@@ -186,8 +193,10 @@ class GGUFTensors(Mapping):
         self._heads = config["num_attention_heads"]
         self._kv_heads = config["num_key_value_heads"]
         self._llama = config["model_type"] == "llama"      # only llama's converter permutes Q/K rows
-        self._rename = ((lambda n: hf_tensor_name(n, path)) if self._llama
-                        else (lambda n: minimax_m2_tensor_name(n, path)))
+        self._nemotron_h = config["model_type"] == "nemotron_h"     # ... and Nemotron-H's
+        renames = {"llama": hf_tensor_name, "minimax_m2": minimax_m2_tensor_name,
+                   "nemotron_h": nemotron_h_tensor_name}
+        self._rename = lambda n: renames[config["model_type"]](n, path)
         self._tensors: dict[str, ReaderTensor] = {}
         for tensor in reader.tensors:
             self._check_type(tensor)
@@ -196,6 +205,8 @@ class GGUFTensors(Mapping):
     def __getitem__(self, name: str) -> np.ndarray:
         tensor = self._tensors[name]
         weights = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        if self._nemotron_h:
+            return nemotron_h_tensor(name, weights, self._heads, self._kv_heads)
         if not self._llama:
             return weights
         if name.endswith("self_attn.q_proj.weight"):
@@ -292,6 +303,112 @@ def minimax_m2_config(meta: GGUFMetadata, has_output: bool) -> dict:
         if token_id is not None:
             config[f"{key}_token_id"] = int(token_id)
     return config
+
+
+# Nemotron-H (llama.cpp's NemotronHModel converter, a GraniteHybridModel / Mamba2Model):
+# every block's norm is attn_norm; the Mamba-2 tensors ssm_*; A_log written as A = -exp(A_log)
+# [H, 1], D as [H, 1], the conv weight squeezed to [C, K], the gated norm as [G, I / G]; Q / K
+# rows permuted as llama's (undo_permute); the MoE experts stacked per layer
+_NEMOTRON_H_LAYER_TENSORS = {
+    "attn_norm": "norm", "attn_q": "mixer.q_proj", "attn_k": "mixer.k_proj", "attn_v": "mixer.v_proj",
+    "attn_output": "mixer.o_proj", "ssm_in": "mixer.in_proj", "ssm_conv1d": "mixer.conv1d",
+    "ssm_norm": "mixer.norm", "ssm_out": "mixer.out_proj", "ffn_up": "mixer.up_proj",
+    "ffn_down": "mixer.down_proj", "ffn_gate_inp": "mixer.gate", "ffn_up_exps": "mixer.experts.up_proj",
+    "ffn_down_exps": "mixer.experts.down_proj", "ffn_up_shexp": "mixer.shared_experts.up_proj",
+    "ffn_down_shexp": "mixer.shared_experts.down_proj", "ffn_latent_down": "mixer.fc1_latent_proj",
+    "ffn_latent_up": "mixer.fc2_latent_proj",
+}
+_NEMOTRON_H_PARAMS = {"ssm_a": "mixer.A_log", "ssm_d": "mixer.D", "ssm_dt.bias": "mixer.dt_bias",
+                      "exp_probs_b": "mixer.gate.e_score_correction_bias",
+                      "exp_probs_b.bias": "mixer.gate.e_score_correction_bias"}
+_PARAM_NAME = re.compile(r"blk\.(\d+)\.(\w+(?:\.bias)?)")
+_NEMOTRON_H_GLOBAL = {"token_embd": "model.embeddings", "output_norm": "model.norm_f", "output": "lm_head"}
+
+
+def nemotron_h_tensor_name(gguf_name: str, path: str) -> str:
+    """HF Nemotron-H name (transformers 5's `model.` layout, stacked experts) of a GGUF tensor."""
+    param = _PARAM_NAME.fullmatch(gguf_name)
+    if param and param.group(2) in _NEMOTRON_H_PARAMS:
+        return f"model.layers.{param.group(1)}.{_NEMOTRON_H_PARAMS[param.group(2)]}"
+    layer = _LAYER_NAME.fullmatch(gguf_name)
+    if layer and layer.group(2) in _NEMOTRON_H_LAYER_TENSORS:
+        name = f"model.layers.{layer.group(1)}.{_NEMOTRON_H_LAYER_TENSORS[layer.group(2)]}"
+        return name if layer.group(2).endswith("_exps") else f"{name}.{layer.group(3)}"
+    top = _GLOBAL_NAME.fullmatch(gguf_name)
+    if top and top.group(1) in _NEMOTRON_H_GLOBAL:
+        return f"{_NEMOTRON_H_GLOBAL[top.group(1)]}.{top.group(2)}"
+    raise CheckpointError(f"{path}: GGUF tensor '{gguf_name}' has no HF Nemotron-H counterpart")
+
+
+def nemotron_h_tensor(name: str, weights: np.ndarray, heads: int, kv_heads: int) -> np.ndarray:
+    """The HF tensor back from the converter's rewrite of it."""
+    if name.endswith("mixer.A_log"):
+        return np.log(-weights.reshape(-1))
+    if name.endswith(("mixer.D", "mixer.norm.weight")):
+        return weights.reshape(-1)
+    if name.endswith("mixer.conv1d.weight"):
+        return weights[:, None, :]
+    if name.endswith("mixer.q_proj.weight"):
+        return unpermute_rows(weights, heads)
+    if name.endswith("mixer.k_proj.weight"):
+        return unpermute_rows(weights, kv_heads)
+    return weights
+
+
+def nemotron_h_config(meta: GGUFMetadata, arch: str, tensor_names: set[str]) -> dict:
+    """HF NemotronHConfig-style dict from the `nemotron_h[_moe].*` metadata: a block is
+    attention where head_count_kv is set, MLP / MoE where feed_forward_length is, else Mamba-2;
+    biases where the file holds them."""
+    kv, ff = _per_layer(meta, f"{arch}.attention.head_count_kv"), _per_layer(meta, f"{arch}.feed_forward_length")
+    moe = arch == "nemotron_h_moe"
+    types = ["full_attention" if k else ("moe" if moe else "mlp") if f else "linear_attention"
+             for k, f in zip(kv, ff, strict=True)]
+    heads, inner = int(meta.require(f"{arch}.ssm.time_step_rank")), int(meta.require(f"{arch}.ssm.inner_size"))
+    hidden = int(meta.require(f"{arch}.embedding_length"))
+    config = {
+        "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "layers_block_type": types,
+        "hidden_size": hidden, "vocab_size": int(meta.get(f"{arch}.vocab_size") or len(meta.require("tokenizer.ggml.tokens"))),
+        "num_attention_heads": int(meta.require(f"{arch}.attention.head_count")),
+        "num_key_value_heads": max(kv), "head_dim": int(meta.require(f"{arch}.attention.key_length")),
+        "intermediate_size": max(ff), "max_position_embeddings": int(meta.require(f"{arch}.context_length")),
+        "layer_norm_epsilon": _float32_value(meta.require(f"{arch}.attention.layer_norm_rms_epsilon")),
+        "mamba_num_heads": heads, "mamba_head_dim": inner // heads,
+        "n_groups": int(meta.require(f"{arch}.ssm.group_count")),
+        "ssm_state_size": int(meta.require(f"{arch}.ssm.state_size")),
+        "conv_kernel": int(meta.require(f"{arch}.ssm.conv_kernel")),
+        "use_conv_bias": any(n.endswith("ssm_conv1d.bias") for n in tensor_names),
+        "use_bias": any(n.endswith("ssm_in.bias") for n in tensor_names),
+        "mlp_bias": any(n.endswith(("ffn_up.bias", "ffn_up_shexp.bias")) for n in tensor_names),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+    }
+    if moe:
+        config.update(_nemotron_h_moe_config(meta, arch))
+    for key in ("bos", "eos", "pad"):
+        token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if token_id is not None:
+            config[f"{key}_token_id"] = int(token_id)
+    return config
+
+
+def _nemotron_h_moe_config(meta: GGUFMetadata, arch: str) -> dict:
+    config = {"n_routed_experts": int(meta.require(f"{arch}.expert_count")),
+              "num_experts_per_tok": int(meta.require(f"{arch}.expert_used_count")),
+              "moe_intermediate_size": int(meta.require(f"{arch}.expert_feed_forward_length")),
+              "moe_shared_expert_intermediate_size": int(meta.require(f"{arch}.expert_shared_feed_forward_length")),
+              "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", True)),
+              "routed_scaling_factor": _float32_value(meta.get(f"{arch}.expert_weights_scale", 1.0)),
+              "n_group": int(meta.get(f"{arch}.expert_group_count", 1)),
+              "topk_group": int(meta.get(f"{arch}.expert_group_used_count", meta.get(f"{arch}.expert_group_count", 1)))}
+    latent = meta.get(f"{arch}.moe_latent_size")
+    if latent:
+        config["moe_latent_size"] = int(latent)
+    return config
+
+
+def _per_layer(meta: GGUFMetadata, key: str) -> list[int]:
+    values = meta.require(key)
+    return [int(v) for v in values] if isinstance(values, (list, tuple)) else [int(values)] * int(
+        meta.require(key.split(".")[0] + ".block_count"))
 
 
 def unpermute_rows(weights: np.ndarray, n_heads: int) -> np.ndarray:

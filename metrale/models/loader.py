@@ -35,7 +35,7 @@ from metrale.models.quant import describe_weight_groups, read_quant_config, weig
 log = logging.getLogger("metrale.models.loader")
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3", "qwen2", "llama", "mistral",
-                         "gemma4", "minimax_m2", "deepseek_v3")
+                         "gemma4", "minimax_m2", "deepseek_v3", "nemotron_h")
 
 # Multimodal wrappers save their text config as `<type>_text`; we serve the text model under the
 # wrapper's name.

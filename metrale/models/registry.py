@@ -18,6 +18,7 @@ from metrale.models.layers import CausalLM
 from metrale.models.llama import build_llama_family
 from metrale.models.minimax_m2 import build_minimax_m2
 from metrale.models.mtp import attach_mtp
+from metrale.models.nemotron_h import build_nemotron_h
 from metrale.models.qwen3_5 import build_qwen3_5
 
 _BUILDERS: dict[str, Callable[[Checkpoint, object], CausalLM]] = {
@@ -30,6 +31,7 @@ _BUILDERS: dict[str, Callable[[Checkpoint, object], CausalLM]] = {
     "gemma4": build_gemma4,
     "minimax_m2": build_minimax_m2,
     "deepseek_v3": build_deepseek_v3,
+    "nemotron_h": build_nemotron_h,
 }
 
 # text-config spellings of the same architectures (a loader that flattens text_config may keep them)

@@ -70,6 +70,7 @@ _DEFAULTS_BY_MODEL_TYPE = {
     "mistral3": "mistral",
     "mixtral": "mistral",
     "deepseek_v3": "deepseek_v3",
+    "nemotron_h": "qwen3_coder",     # the Nemotron 3 releases' chat template writes Qwen3-Coder XML calls
 }
 _DEFAULTS_BY_PREFIX = {"gemma": "gemma4", "minimax": "minimax_xml"}
 
