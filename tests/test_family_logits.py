@@ -14,7 +14,8 @@ from tiny_models import VOCAB, make_tiny_family
 PROMPT_LEN = 70
 
 
-@pytest.fixture(scope="module", params=["gemma4_dense", "gemma4_moe", "minimax_m2"])
+@pytest.fixture(scope="module", params=["gemma4_dense", "gemma4_moe", "minimax_m2", "mistral_swa", "ministral",
+                                        "ministral3", "mistral3"])
 def ckpt(request, tmp_path_factory):
     return make_tiny_family(request.param, tmp_path_factory.mktemp(request.param))
 

@@ -129,7 +129,7 @@ def load_hf(path):
     import transformers as tf
 
     config = tf.AutoConfig.from_pretrained(str(path))
-    if config.model_type in ("qwen3_5", "qwen3_5_moe"):
+    if config.model_type in ("qwen3_5", "qwen3_5_moe", "mistral3"):
         cls = tf.AutoModelForImageTextToText
     else:
         cls = tf.AutoModelForCausalLM
@@ -551,7 +551,7 @@ _QUANT_CONFIGS = {"fp8-block": _config_fp8_block, "ct-fp8-channel": _config_ct("
 # ---------------------------------------------------------------------------------------------
 # Gemma 4 (text) and MiniMax M2: *ForCausalLM checkpoints (metrale.models.gemma4 / minimax_m2)
 
-FAMILY_ARCHS = ("gemma4_dense", "gemma4_moe", "minimax_m2")
+FAMILY_ARCHS = ("gemma4_dense", "gemma4_moe", "minimax_m2", "mistral_swa", "ministral", "ministral3", "mistral3")
 
 _GEMMA4_TEXT = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
@@ -564,6 +564,11 @@ _GEMMA4_TEXT = dict(
                                         "rope_theta": 1000000.0}},
 )
 
+_MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 32.0,
+                    "original_max_position_embeddings": 16, "max_position_embeddings": 512,
+                    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                    "llama_4_scaling_beta": 0.1}
+
 _FAMILY_CONFIGS = {
     # per-layer inputs, the last two layers sharing K/V (one sliding, one global) with double-wide MLPs
     "gemma4_dense": dict(_GEMMA4_TEXT, hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
@@ -572,6 +577,16 @@ _FAMILY_CONFIGS = {
     "gemma4_moe": dict(_GEMMA4_TEXT, hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=5,
                        top_k_experts=2, moe_intermediate_size=32, attention_k_eq_v=True,
                        num_global_key_value_heads=1, tie_word_embeddings=False),
+    # Mistral v0.1: every layer over a 16-key sliding window (shorter than the 70-token prompts)
+    "mistral_swa": dict(_COMMON, head_dim=24, sliding_window=16,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+    # Ministral-8B-2410: sliding and full layers interleaved
+    "ministral": dict(_COMMON, head_dim=24, sliding_window=16,
+                      layer_types=["sliding_attention", "full_attention"] * 2,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    # Ministral 3: YaRN plus Llama-4 attention temperature (original length 16, so positions past
+    # 16 are scaled); no sliding window, as the releases
+    "ministral3": dict(_COMMON, head_dim=24, sliding_window=None, rope_parameters=_MINISTRAL3_ROPE),
     "minimax_m2": dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=3,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                        max_position_embeddings=512, rms_norm_eps=1e-6, num_local_experts=6,
@@ -582,19 +597,19 @@ _FAMILY_CONFIGS = {
 
 
 def make_tiny_family(arch: str, path, dtype: str = "float32", seed: int = 0, **overrides) -> str:
-    """A tiny random Gemma4ForCausalLM / MiniMaxM2ForCausalLM checkpoint (FAMILY_ARCHS) in
-    `path`. Parameters are perturbed as make_tiny does, and so are the buffers that change the
+    """A tiny random Gemma4ForCausalLM / MiniMaxM2ForCausalLM / MistralForCausalLM (v0.1
+    sliding window) / MinistralForCausalLM / Ministral3ForCausalLM checkpoint, or a
+    Mistral3ForConditionalGeneration one (a one-layer Pixtral tower beside a ministral3 text
+    model; `model_type="mistral"` in overrides for Mistral Small's text model), in `path`
+    (FAMILY_ARCHS). Parameters are perturbed as make_tiny does, and so are the buffers that change the
     math (Gemma 4's layer_scalar, MiniMax's e_score_correction_bias), which HF inits to
     constants. Returns `path` as str."""
     import torch
     import transformers as tf
 
-    text = dict(_FAMILY_CONFIGS[arch], **overrides)
+    text = dict(_FAMILY_CONFIGS["ministral3" if arch == "mistral3" else arch], **overrides)
     torch.manual_seed(seed)
-    if arch.startswith("gemma4"):
-        model = tf.Gemma4ForCausalLM(tf.Gemma4TextConfig(**text))
-    else:
-        model = tf.MiniMaxM2ForCausalLM(tf.MiniMaxM2Config(**text))
+    model = _family_model(tf, arch, text)
     _randomise(model, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -607,6 +622,23 @@ def make_tiny_family(arch: str, path, dtype: str = "float32", seed: int = 0, **o
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(str(path))
     return str(path)
+
+
+def _family_model(tf, arch: str, text: dict):
+    if arch.startswith("gemma4"):
+        return tf.Gemma4ForCausalLM(tf.Gemma4TextConfig(**text))
+    if arch == "mistral3":      # the Ministral 3 / Mistral Small 3.x layout: a Pixtral tower beside
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      head_dim=16, patch_size=4, image_size=32)
+        text = dict(text, model_type=text.get("model_type", "ministral3"))
+        return tf.Mistral3ForConditionalGeneration(tf.Mistral3Config(
+            text_config=text, vision_config=vision, tie_word_embeddings=text["tie_word_embeddings"]))
+    classes = {"mistral_swa": (tf.MistralConfig, tf.MistralForCausalLM),
+               "ministral": (tf.MinistralConfig, tf.MinistralForCausalLM),
+               "ministral3": (tf.Ministral3Config, tf.Ministral3ForCausalLM),
+               "minimax_m2": (tf.MiniMaxM2Config, tf.MiniMaxM2ForCausalLM)}
+    config_cls, model_cls = classes[arch]
+    return model_cls(config_cls(**text))
 
 
 def make_tiny_gemma4_multimodal(path, seed: int = 0, **overrides) -> str:
