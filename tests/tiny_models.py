@@ -302,6 +302,107 @@ def write_qwen_tokenizer(path, chat_template: str | None = QWEN2_5_CHAT_TEMPLATE
     return config
 
 
+# Mistral-7B-Instruct-v0.3's chat format, written here from that template's logic: BOS; the
+# system message goes in front of the LAST user message; [AVAILABLE_TOOLS] [...][/AVAILABLE_TOOLS]
+# right before the last user message when tools are given; user turns "[INST] ...[/INST]";
+# assistant text " " + trimmed content + EOS; tool calls "[TOOL_CALLS] [{name, arguments, id}]"
+# + EOS and tool results '[TOOL_RESULTS] {"content": ..., "call_id": ...}[/TOOL_RESULTS]', both
+# with Mistral's 9-character ids (anything else is refused, as the original does); user and
+# assistant turns must alternate.
+MISTRAL_V03_CHAT_TEMPLATE = """{%- set ns = namespace(system=none, tools_at=-1, turn=0) %}
+{%- if messages[0].role == 'system' %}
+    {%- set ns.system = messages[0].content %}
+    {%- set turns = messages[1:] %}
+{%- else %}
+    {%- set turns = messages %}
+{%- endif %}
+{%- for m in turns %}
+    {%- if m.role == 'user' %}{% set ns.tools_at = loop.index0 %}{% endif %}
+    {%- if m.role == 'user' or (m.role == 'assistant' and not m.tool_calls) %}
+        {%- if (m.role == 'user') != (ns.turn % 2 == 0) %}
+            {{- raise_exception('After the optional system message, conversation roles must alternate user/assistant/user/assistant/...') }}
+        {%- endif %}
+        {%- set ns.turn = ns.turn + 1 %}
+    {%- endif %}
+{%- endfor %}
+{{- bos_token }}
+{%- for m in turns %}
+    {%- if m.role == 'user' %}
+        {%- if tools and loop.index0 == ns.tools_at %}
+            {{- '[AVAILABLE_TOOLS] [' }}
+            {%- for t in tools %}
+                {{- '{"type": "function", "function": ' + t.function | tojson + '}' }}
+                {{- ', ' if not loop.last }}
+            {%- endfor %}
+            {{- ']' + '[/AVAILABLE_TOOLS]' }}
+        {%- endif %}
+        {%- if loop.index0 == ns.tools_at and ns.system is not none %}
+            {{- '[INST] ' + ns.system + '\n\n' + m.content + '[/INST]' }}
+        {%- else %}
+            {{- '[INST] ' + m.content + '[/INST]' }}
+        {%- endif %}
+    {%- elif m.role == 'assistant' and m.tool_calls %}
+        {{- '[TOOL_CALLS] [' }}
+        {%- for call in m.tool_calls %}
+            {%- if call.id is not defined or call.id | length != 9 %}
+                {{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}
+            {%- endif %}
+            {{- (call.function | tojson)[:-1] + ', "id": "' + call.id + '"}' }}
+            {{- ', ' if not loop.last else ']' + eos_token }}
+        {%- endfor %}
+    {%- elif m.role == 'assistant' %}
+        {{- ' ' + m.content | trim + eos_token }}
+    {%- elif m.role == 'tool' %}
+        {%- if m.tool_call_id is not defined or m.tool_call_id | length != 9 %}
+            {{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}
+        {%- endif %}
+        {{- '[TOOL_RESULTS] {"content": ' + m.content | string + ', "call_id": "' + m.tool_call_id + '"}[/TOOL_RESULTS]' }}
+    {%- else %}
+        {{- raise_exception('Only user and assistant roles are supported, with the exception of an initial optional system message!') }}
+    {%- endif %}
+{%- endfor %}
+"""
+
+# Mistral v0.3's control tokens at their ids (0..9), then byte-level pieces
+MISTRAL_SPECIALS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
+                    "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]")
+MISTRAL_BOS, MISTRAL_EOS = 1, 2
+
+
+def write_mistral_tokenizer(path, chat_template: str | None = MISTRAL_V03_CHAT_TEMPLATE) -> dict:
+    """A tokenizer.json laid out as Mistral v0.3's: its ten control tokens special at ids 0..9
+    (<unk> <s> </s> [INST] [/INST] [TOOL_CALLS] [AVAILABLE_TOOLS] [/AVAILABLE_TOOLS]
+    [TOOL_RESULTS] [/TOOL_RESULTS]), then byte-level BPE pieces (256 bytes and fillers: VOCAB
+    ids in all; the real one is SentencePiece, which only the text tokens' split changes),
+    and a tokenizer_config.json with <s> / </s>, add_bos_token and the chat template.
+    Returns that config."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(MISTRAL_SPECIALS)}
+    vocab.update((ch, len(vocab)) for ch in sorted(pre_tokenizers.ByteLevel.alphabet()))
+    vocab.update((f"w{i}", len(vocab)) for i in range(VOCAB - len(vocab)))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in MISTRAL_SPECIALS])
+    assert [tok.token_to_id(t) for t in MISTRAL_SPECIALS] == list(range(len(MISTRAL_SPECIALS)))
+    os.makedirs(path, exist_ok=True)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    decoder = {str(i): dict(content=t, lstrip=False, normalized=False, rstrip=False, single_word=False,
+                            special=True) for i, t in enumerate(MISTRAL_SPECIALS)}
+    config = {"add_bos_token": True, "add_eos_token": False, "added_tokens_decoder": decoder,
+              "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": None,
+              "clean_up_tokenization_spaces": False, "legacy": False, "model_max_length": 32768,
+              "tokenizer_class": "PreTrainedTokenizerFast"}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    return config
+
+
 def rewrite_config(path, **changes) -> dict:
     """Edit config.json in place: keys set to a value replace, keys set to None are removed
     (to write the transformers-4 spellings real releases carry)."""
