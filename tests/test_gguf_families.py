@@ -3,7 +3,9 @@ writer the way llama.cpp's MiniMaxM2Model converter writes them (HF tensor names
 gguf's tensor map, the experts' w1 / w3 / w2 stacked per layer, e_score_correction_bias as
 exp_probs_b, rotary_dim as rope.dimension_count, the experts' width as
 expert_feed_forward_length; no Q/K permutation), load to the logits HF computes from the source
-checkpoint."""
+checkpoint. So do Mistral v0.1 files, which llama.cpp's LlamaModel converter writes as arch
+`llama` (Q/K rows permuted, head_dim as key_length) with the window as
+llama.attention.sliding_window: served with the window, as HF's MistralForCausalLM."""
 from __future__ import annotations
 
 import gguf
@@ -68,6 +70,70 @@ def _write_gguf(src: str, dst: str, vocab: list[str]) -> str:
     w.write_tensors_to_file()
     w.close()
     return dst
+
+
+def _llama_permute(weights: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute (interleaved rotary pairs -> halves, per head)."""
+    return weights.reshape(n_heads, 2, weights.shape[0] // n_heads // 2, *weights.shape[1:]) \
+        .swapaxes(1, 2).reshape(weights.shape)
+
+
+def _write_mistral_gguf(src: str, dst: str, vocab: list[str]) -> str:
+    import json
+
+    config = json.load(open(f"{src}/config.json"))
+    state = load_file(f"{src}/model.safetensors")
+    w = gguf.GGUFWriter(dst, "llama")
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_key_length(config["head_dim"])
+    w.add_value_length(config["head_dim"])
+    w.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    w.add_rope_dimension_count(config["head_dim"])
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_sliding_window(config["sliding_window"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(vocab)
+    w.add_token_types([gguf.TokenType.CONTROL] * len(SPECIALS) + [gguf.TokenType.NORMAL] * (len(vocab) - len(SPECIALS)))
+    w.add_token_merges(MERGES)
+    w.add_eos_token_id(2)
+    w.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
+    w.add_tensor("output.weight", state["lm_head.weight"])
+    w.add_tensor("output_norm.weight", state["model.norm.weight"])
+    names = dict(_NAMES, **{"mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"})
+    heads = {"self_attn.q_proj": config["num_attention_heads"], "self_attn.k_proj": config["num_key_value_heads"]}
+    for i in range(config["num_hidden_layers"]):
+        for hf, name in names.items():
+            key = f"model.layers.{i}.{hf}.weight"
+            if key in state:
+                t = state[key]
+                w.add_tensor(f"blk.{i}.{name}.weight", _llama_permute(t, heads[hf]) if hf in heads else t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def test_mistral_v01_gguf_serves_its_sliding_window_like_hf(tmp_path):
+    vocab = _vocab()
+    src = make_tiny_family("mistral_swa", tmp_path / "hf", vocab_size=len(vocab))
+    path = _write_mistral_gguf(src, str(tmp_path / "tiny.gguf"), vocab)
+    ckpt = load_checkpoint(path, cache_dir=str(tmp_path))
+    assert (ckpt.config["model_type"], ckpt.config["sliding_window"], ckpt.config["head_dim"]) == ("mistral", 16, 24)
+    ops = CpuOps()
+    model = build_model(ckpt, ops)
+    prompt = np.random.default_rng(1).integers(0, len(vocab), 50).tolist()      # past the 16-key window
+    caches = ModelCaches(model.cache_spec(), ops, 8, 16, 1)
+    batch = contiguous_batch([prompt], [0], [[3, 1, 5, 6, 0, 2, 7]], [0], 16, True)
+    ours = model.forward(batch, caches)
+    ref = hf_logits(load_hf(src), prompt)
+    assert float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref))) <= 1e-4
 
 
 def test_minimax_m2_gguf_matches_hf(tmp_path):

@@ -5,7 +5,10 @@
   is lazy, so only one dequantized tensor need be in memory at a time; each access dequantizes
   afresh, so read each tensor once). Q and K rows get llama.cpp's converter permutation undone, as
   HF transformers' GGUF loader does, so they match the HF checkpoint the GGUF was made from.
-- The config is synthesized in HF Llama form from the `llama.*` metadata.
+- The config is synthesized in HF Llama form from the `llama.*` metadata; a
+  `llama.attention.sliding_window` below the context length (Mistral v0.1, which llama.cpp's
+  converter writes as `llama`) makes it HF Mistral form with that window on every layer.
+  `mistral3` files (llama.cpp's Ministral 3 architecture) are not mapped yet.
 - `minimax-m2` files load the same way in HF MiniMax M2 form (`minimax_m2_config`,
   `minimax_m2_tensor_name`; no Q/K permutation to undo). Gemma 4 (`gemma4`) is not mapped yet.
 - The tokenizer is rebuilt in HF `tokenizers` JSON form from the `tokenizer.ggml.*` metadata and
@@ -148,6 +151,11 @@ def llama_config(meta: GGUFMetadata, has_output: bool) -> dict:
         token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
         if token_id is not None:
             config[f"{key}_token_id"] = int(token_id)
+    window = meta.get("llama.attention.sliding_window")
+    if window and int(window) < config["max_position_embeddings"]:
+        # a Mistral v0.1-style checkpoint (llama.cpp writes Mistral as `llama`): served as HF's
+        # MistralForCausalLM computes it, every layer over that window
+        config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=int(window))
     return config
 
 
@@ -178,7 +186,8 @@ class GGUFTensors(Mapping):
         self.path = path
         self._heads = config["num_attention_heads"]
         self._kv_heads = config["num_key_value_heads"]
-        self._llama = config["model_type"] == "llama"      # only llama's converter permutes Q/K rows
+        # only llama's converter permutes Q/K rows (it writes Mistral as `llama` too)
+        self._llama = config["model_type"] in ("llama", "mistral")
         self._rename = ((lambda n: hf_tensor_name(n, path)) if self._llama
                         else (lambda n: minimax_m2_tensor_name(n, path)))
         self._tensors: dict[str, ReaderTensor] = {}
