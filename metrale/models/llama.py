@@ -4,8 +4,9 @@
                biases on q/k/v/o only when `attention_bias` is set.
     mistral    llama (HF MistralForCausalLM: no biases, an explicit head_dim where set); every
                layer attends over a sliding window of `sliding_window` keys when that is set
-               (v0.1: 4096) below max_position_embeddings (HF ignores `layer_types` here); null
-               (v0.2 and later) or no shorter than the context: full attention.
+               (v0.1: 4096) below max_position_embeddings; null (v0.2 and later) or no shorter
+               than the context: full attention. A mistral config with `layer_types` is read as
+               ministral (HF's AutoConfig does the same: Ministral-8B-2410 ships that way).
     ministral  mistral with the window per layer: `layer_types` sliding_attention / full_attention
                (default: all sliding when sliding_window is set).
     ministral3 mistral plus Llama-4 attention temperature scaling (rope_parameters'
@@ -80,7 +81,7 @@ def sliding_windows(config: dict, path: str, model_type: str) -> list[int | None
         raise CheckpointError(f"{path}: sliding_window must be a positive integer or null, got {window!r}")
     longest = config.get("max_position_embeddings")
     masks = window is not None and (longest is None or window < int(longest))
-    if model_type != "ministral":
+    if model_type != "ministral" and not (model_type == "mistral" and "layer_types" in config):
         return [window if masks else None] * n
     types = config.get("layer_types") or ["sliding_attention" if window is not None else "full_attention"] * n
     if len(types) != n or any(t not in ("sliding_attention", "full_attention") for t in types):
