@@ -2,7 +2,7 @@
 (tests/family_checks.py), on each family's tiny random checkpoints: teacher-forced logits
 one-shot, prefill-then-decode, chunked prefill at several chunk sizes, a mixed batch over dirty
 blocks, and greedy generation through the engine with prefix-cache hits and batching. The
-family-specific checks are in tests/test_gemma4.py and tests/test_minimax_m2.py."""
+family-specific checks are in tests/test_gemma4.py, tests/test_minimax_m2.py and tests/test_mistral.py."""
 from __future__ import annotations
 
 import numpy as np

@@ -181,3 +181,19 @@ def test_v03_template_renders_through_met_serve(tmp_path):
         bad = requests.post(srv.url + "/v1/chat/completions", json={
             "model": "m", "messages": CONVERSATION[1:2] * 2, "max_tokens": 1})
         assert bad.status_code == 400 and "must alternate" in bad.json()["error"]["message"]
+
+
+def test_the_detokenizer_keeps_the_markers_it_is_asked_to(tmp_path):
+    """[TOOL_CALLS] is a special token in Mistral's vocabulary: skipped like </s> by default,
+    kept when the chat's tool parser reads it (frontends.generate passes the parser's markers)."""
+    from metrale.tokenizer import IncrementalDetokenizer, Tokenizer
+
+    write_mistral_tokenizer(tmp_path)
+    tok = Tokenizer.from_dir(str(tmp_path))
+    ids = tok.encode('Ok.[TOOL_CALLS] [{"name": "f"}]</s>', add_special_tokens=False)
+
+    def text(**kw):
+        d = IncrementalDetokenizer(tok, **kw)
+        return "".join(d.add(i) for i in ids) + d.flush()
+    assert text() == 'Ok. [{"name": "f"}]'
+    assert text(keep_special=[5]) == 'Ok.[TOOL_CALLS] [{"name": "f"}]'
