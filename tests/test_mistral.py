@@ -57,6 +57,15 @@ def test_mistral_small_layout_matches_hf(tmp_path, prompt):
     fc.check_one_shot(path, prompt, fc.reference(path, prompt))
 
 
+def test_a_shipped_lm_head_wins_over_a_tied_config(tmp_path, prompt):
+    """Mistral3Config's top-level tie_word_embeddings defaults to true while the releases ship
+    their own lm_head: transformers then loads that lm_head (it ties only a missing one), so we do."""
+    path = make_tiny_family("mistral3", tmp_path)
+    rewrite_config(path, tie_word_embeddings=True)
+    assert "lm_head.weight" in load_tiny(path).tensors
+    fc.check_one_shot(path, prompt, fc.reference(path, prompt))
+
+
 def test_a_window_as_long_as_the_context_is_full_attention(tmp_path, prompt):
     """v0.2+ configs that keep a sliding_window of max_position_embeddings never mask: full
     attention, which a backend without the sliding op serves too."""
