@@ -702,9 +702,9 @@ def make_tiny_family(arch: str, path, dtype: str = "float32", seed: int = 0, **o
     sliding window) / MinistralForCausalLM / Ministral3ForCausalLM checkpoint, or a
     Mistral3ForConditionalGeneration one (a one-layer Pixtral tower beside a ministral3 text
     model; `model_type="mistral"` in overrides for Mistral Small's text model), in `path`
-    (FAMILY_ARCHS). Parameters are perturbed as make_tiny does, and so are the buffers that change the
-    math (Gemma 4's layer_scalar, MiniMax's e_score_correction_bias), which HF inits to
-    constants. Returns `path` as str."""
+    (FAMILY_ARCHS). Parameters are perturbed as make_tiny does, and so are the buffers that
+    change the math (Gemma 4's layer_scalar, MiniMax's e_score_correction_bias), which HF
+    inits to constants. Returns `path` as str."""
     import torch
     import transformers as tf
 

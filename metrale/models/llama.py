@@ -73,7 +73,8 @@ def refuse_unsupported(config: dict, path: str, model_type: str = "") -> None:
 
 def sliding_windows(config: dict, path: str, model_type: str) -> list[int | None]:
     """Each layer's sliding window (None: full attention), as HF's Mistral classes mask (the other
-    types have none: refuse_unsupported refused theirs). A window no shorter than max_position_embeddings never masks anything: full attention."""
+    types have none: refuse_unsupported refused theirs). A window no shorter than
+    max_position_embeddings never masks anything: full attention."""
     n, window = int(config["num_hidden_layers"]), config.get("sliding_window")
     if model_type not in MISTRAL_TYPES:
         return [None] * n
