@@ -5,7 +5,8 @@ exp_probs_b, rotary_dim as rope.dimension_count, the experts' width as
 expert_feed_forward_length; no Q/K permutation), load to the logits HF computes from the source
 checkpoint. So do Mistral v0.1 files, which llama.cpp's LlamaModel converter writes as arch
 `llama` (Q/K rows permuted, head_dim as key_length) with the window as
-llama.attention.sliding_window: served with the window, as HF's MistralForCausalLM."""
+llama.attention.sliding_window: served with the window, as HF's MistralForCausalLM; and
+Ministral 3 files (arch `mistral3`, llama.cpp's Ministral3Model converter)."""
 from __future__ import annotations
 
 import gguf
@@ -78,12 +79,14 @@ def _llama_permute(weights: np.ndarray, n_heads: int) -> np.ndarray:
         .swapaxes(1, 2).reshape(weights.shape)
 
 
-def _write_mistral_gguf(src: str, dst: str, vocab: list[str]) -> str:
+def _write_mistral_gguf(src: str, dst: str, vocab: list[str], arch: str = "llama") -> str:
+    """llama.cpp's LlamaModel layout; arch `mistral3`: its Ministral3Model (YaRN keys,
+    yarn_log_multiplier = mscale_all_dim, temperature_scale = llama_4_scaling_beta)."""
     import json
 
     config = json.load(open(f"{src}/config.json"))
     state = load_file(f"{src}/model.safetensors")
-    w = gguf.GGUFWriter(dst, "llama")
+    w = gguf.GGUFWriter(dst, arch)
     w.add_context_length(config["max_position_embeddings"])
     w.add_embedding_length(config["hidden_size"])
     w.add_block_count(config["num_hidden_layers"])
@@ -95,7 +98,17 @@ def _write_mistral_gguf(src: str, dst: str, vocab: list[str]) -> str:
     w.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
     w.add_rope_dimension_count(config["head_dim"])
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    w.add_sliding_window(config["sliding_window"])
+    if config.get("sliding_window"):
+        w.add_sliding_window(config["sliding_window"])
+    if arch == "mistral3":
+        rope = config["rope_parameters"]
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        w.add_rope_scaling_yarn_log_mul(rope["mscale_all_dim"])
+        w.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
     w.add_token_list(vocab)
@@ -120,15 +133,20 @@ def _write_mistral_gguf(src: str, dst: str, vocab: list[str]) -> str:
     return dst
 
 
-def test_mistral_v01_gguf_serves_its_sliding_window_like_hf(tmp_path):
+@pytest.mark.parametrize("arch, gguf_arch, expect", [
+    ("mistral_swa", "llama", {"model_type": "mistral", "sliding_window": 16, "head_dim": 24}),
+    ("ministral3", "mistral3", {"model_type": "ministral3", "head_dim": 24})])
+def test_mistral_ggufs_serve_like_hf(tmp_path, arch, gguf_arch, expect):
+    """Mistral v0.1 (arch llama, its window kept) and Ministral 3 (arch mistral3: YaRN plus the
+    attention temperature, which moves positions past 16 here) against HF's logits."""
     vocab = _vocab()
-    src = make_tiny_family("mistral_swa", tmp_path / "hf", vocab_size=len(vocab))
-    path = _write_mistral_gguf(src, str(tmp_path / "tiny.gguf"), vocab)
+    src = make_tiny_family(arch, tmp_path / "hf", vocab_size=len(vocab))
+    path = _write_mistral_gguf(src, str(tmp_path / "tiny.gguf"), vocab, gguf_arch)
     ckpt = load_checkpoint(path, cache_dir=str(tmp_path))
-    assert (ckpt.config["model_type"], ckpt.config["sliding_window"], ckpt.config["head_dim"]) == ("mistral", 16, 24)
+    assert {k: ckpt.config.get(k) for k in expect} == expect
     ops = CpuOps()
     model = build_model(ckpt, ops)
-    prompt = np.random.default_rng(1).integers(0, len(vocab), 50).tolist()      # past the 16-key window
+    prompt = np.random.default_rng(1).integers(0, len(vocab), 50).tolist()      # past 16 positions
     caches = ModelCaches(model.cache_spec(), ops, 8, 16, 1)
     batch = contiguous_batch([prompt], [0], [[3, 1, 5, 6, 0, 2, 7]], [0], 16, True)
     ours = model.forward(batch, caches)

@@ -8,7 +8,8 @@
 - The config is synthesized in HF Llama form from the `llama.*` metadata; a
   `llama.attention.sliding_window` below the context length (Mistral v0.1, which llama.cpp's
   converter writes as `llama`) makes it HF Mistral form with that window on every layer.
-  `mistral3` files (llama.cpp's Ministral 3 architecture) are not mapped yet.
+  `mistral3` files (llama.cpp's Ministral3Model converter: the llama layout plus YaRN and the
+  attention temperature) load in HF Ministral3 form (`ministral3_config`).
 - `minimax-m2` files load the same way in HF MiniMax M2 form (`minimax_m2_config`,
   `minimax_m2_tensor_name`; no Q/K permutation to undo). Gemma 4 (`gemma4`) is not mapped yet.
 - The tokenizer is rebuilt in HF `tokenizers` JSON form from the `tokenizer.ggml.*` metadata and
@@ -29,7 +30,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from metrale.models.checkpoint import Checkpoint, CheckpointError
 
-SUPPORTED_ARCHITECTURES = ("llama", "minimax-m2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral3", "minimax-m2")
 SUPPORTED_QUANT_TYPES = tuple(
     GGMLQuantizationType[t] for t in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"))
 SUPPORTED_TOKENIZER_MODELS = ("gpt2",)
@@ -66,8 +67,8 @@ def load_gguf(path: str, cache_dir: str | None = None, name: str | None = None) 
             f"{path}: GGUF architecture {architecture!r} is not supported; supported: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
     has_output = any(t.name == "output.weight" for t in reader.tensors)
-    config = (minimax_m2_config(meta, has_output) if architecture == "minimax-m2"
-              else llama_config(meta, has_output))
+    config = {"minimax-m2": minimax_m2_config, "mistral3": ministral3_config}.get(
+        architecture, llama_config)(meta, has_output)
     tensors = GGUFTensors(reader, path, config)
     tokenizer = build_tokenizer(meta)
     return Checkpoint(
@@ -122,25 +123,26 @@ class GGUFMetadata:
 # Config
 
 
-def llama_config(meta: GGUFMetadata, has_output: bool) -> dict:
-    """HF LlamaConfig-style dict from the `llama.*` metadata."""
-    hidden = int(meta.require("llama.embedding_length"))
-    heads = int(meta.require("llama.attention.head_count"))
-    rope_theta = _float32_value(meta.get("llama.rope.freq_base", 10000.0))
-    vocab = meta.get("llama.vocab_size") or len(meta.require("tokenizer.ggml.tokens"))
+def llama_config(meta: GGUFMetadata, has_output: bool, arch: str = "llama") -> dict:
+    """HF LlamaConfig-style dict from the `llama.*` metadata (`arch`: another prefix the
+    converter writes in the same layout)."""
+    hidden = int(meta.require(f"{arch}.embedding_length"))
+    heads = int(meta.require(f"{arch}.attention.head_count"))
+    rope_theta = _float32_value(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    vocab = meta.get(f"{arch}.vocab_size") or len(meta.require("tokenizer.ggml.tokens"))
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": hidden,
-        "intermediate_size": int(meta.require("llama.feed_forward_length")),
-        "num_hidden_layers": int(meta.require("llama.block_count")),
+        "intermediate_size": int(meta.require(f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(meta.require(f"{arch}.block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", heads)),
-        "head_dim": int(meta.get("llama.attention.key_length", hidden // heads)),
-        "rms_norm_eps": _float32_value(meta.require("llama.attention.layer_norm_rms_epsilon")),
+        "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
+        "rms_norm_eps": _float32_value(meta.require(f"{arch}.attention.layer_norm_rms_epsilon")),
         "rope_theta": rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
-        "max_position_embeddings": int(meta.require("llama.context_length")),
+        "max_position_embeddings": int(meta.require(f"{arch}.context_length")),
         "vocab_size": int(vocab),
         "hidden_act": "silu",
         "attention_bias": False,
@@ -151,11 +153,32 @@ def llama_config(meta: GGUFMetadata, has_output: bool) -> dict:
         token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
         if token_id is not None:
             config[f"{key}_token_id"] = int(token_id)
-    window = meta.get("llama.attention.sliding_window")
-    if window and int(window) < config["max_position_embeddings"]:
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if arch == "llama" and window and int(window) < config["max_position_embeddings"]:
         # a Mistral v0.1-style checkpoint (llama.cpp writes Mistral as `llama`): served as HF's
         # MistralForCausalLM computes it, every layer over that window
         config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=int(window))
+    return config
+
+
+def ministral3_config(meta: GGUFMetadata, has_output: bool) -> dict:
+    """HF Ministral3Config-style dict from the `mistral3.*` metadata: llama.cpp's Ministral3Model
+    converter writes the llama layout (Q/K rows permuted) plus its YaRN rope (scaling type,
+    factor, original context, betas; yarn_log_multiplier = mscale_all_dim) and
+    attention.temperature_scale = llama_4_scaling_beta (over the original context)."""
+    config = llama_config(meta, has_output, "mistral3")
+    rope = config["rope_parameters"]
+    if meta.get("mistral3.rope.scaling.type", "none") != "yarn":
+        raise CheckpointError(f"{meta.path}: a mistral3 GGUF without YaRN rope scaling is not one "
+                              f"llama.cpp's Ministral 3 converter writes; refusing it")
+    key = "mistral3.rope.scaling."
+    rope.update(rope_type="yarn", factor=_float32_value(meta.require(key + "factor")),
+                original_max_position_embeddings=int(meta.require(key + "original_context_length")),
+                beta_fast=_float32_value(meta.get(key + "yarn_beta_fast", 32.0)),
+                beta_slow=_float32_value(meta.get(key + "yarn_beta_slow", 1.0)), mscale=1.0,
+                mscale_all_dim=_float32_value(meta.get(key + "yarn_log_multiplier", 1.0)),
+                llama_4_scaling_beta=_float32_value(meta.get("mistral3.attention.temperature_scale", 0.0)))
+    config.update(architectures=["Ministral3ForCausalLM"], model_type="ministral3")
     return config
 
 
@@ -187,7 +210,7 @@ class GGUFTensors(Mapping):
         self._heads = config["num_attention_heads"]
         self._kv_heads = config["num_key_value_heads"]
         # only llama's converter permutes Q/K rows (it writes Mistral as `llama` too)
-        self._llama = config["model_type"] in ("llama", "mistral")
+        self._llama = config["model_type"] in ("llama", "mistral", "ministral3")
         self._rename = ((lambda n: hf_tensor_name(n, path)) if self._llama
                         else (lambda n: minimax_m2_tensor_name(n, path)))
         self._tensors: dict[str, ReaderTensor] = {}
