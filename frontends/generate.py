@@ -29,7 +29,7 @@ from metrale.api import errors
 from metrale.api.errors import APIError
 from metrale.api.reasoning_parser import ChatOutputParser, ReasoningParser
 from metrale.api.tool_parsers import (ToolArgsDelta, ToolCallEnd, ToolCallStart,
-                                      make_tool_parser)
+                                      make_tool_parser, marker_tokens)
 from metrale.client import AsyncEngineClient, EngineUnavailable
 from metrale.sampling import SamplingParams
 from metrale.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -149,12 +149,21 @@ class StopMatcher:
         return out
 
 
+def _marker_ids(tokenizer: Tokenizer, plan: ChatPlan | None) -> list[int]:
+    """The special tokens the tool parser reads (kept in the text although specials are not)."""
+    if plan is None or not plan.tool_parser or not plan.tools:
+        return []
+    ids = (tokenizer.token_to_id(m) for m in marker_tokens(plan.tool_parser))
+    return [i for i in ids if i is not None and i in tokenizer.special_token_ids]
+
+
 class _Choice:
     """Engine deltas -> ChoiceText events, for one choice."""
 
     def __init__(self, spec: ChoiceSpec, tokenizer: Tokenizer):
         self.spec = spec
-        self.detok = IncrementalDetokenizer(tokenizer, spec.prompt_ids)
+        self.detok = IncrementalDetokenizer(tokenizer, spec.prompt_ids,
+                                            keep_special=_marker_ids(tokenizer, spec.plan))
         self.stops = StopMatcher(spec.stop)
         self.pending: list[tuple[TokenInfo, int]] = []   # tokens whose text is held back
         self.produced = 0      # chars out of the detokenizer

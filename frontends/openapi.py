@@ -330,6 +330,8 @@ def spec(model: str | None = None, max_seq_len: int | None = None, require_auth:
         "messages": {"type": "array", "items": {"type": "object"}, "minItems": 1,
                      "maxItems": max_messages},
         "add_generation_prompt": {"type": "boolean"},
+        "tools": {"type": "array", "items": {"type": "object"}},
+        "chat_template_kwargs": {"type": "object"}, "continue_final_message": {"type": "boolean"},
         "add_special_tokens": {"type": "boolean"}, "return_token_strs": {"type": "boolean"}},
         "description": "send prompt (a string) or messages (a chat)"}
     detokenize = {"type": "object", "required": ["tokens"], "properties": {

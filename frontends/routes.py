@@ -107,9 +107,10 @@ class Tokenize(Resource):
 
     def _tokenize(self, body: dict) -> list[int]:
         if "messages" in body:
-            chat = schema.parse_chat_request({"messages": body["messages"],
-                                              "add_generation_prompt":
-                                                  body.get("add_generation_prompt", True)})
+            # vLLM's chat form of /tokenize: the prompt chat completions would render
+            fields = ("messages", "tools", "chat_template_kwargs", "add_generation_prompt",
+                      "continue_final_message")
+            chat = schema.parse_chat_request({k: body[k] for k in fields if k in body})
             text = render_chat(self.worker, chat)
             return encode_prompt(self.worker, text, "messages", bool(
                 body.get("add_special_tokens", False)))

@@ -231,9 +231,13 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (),
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, keep_special: Iterable[int] = ()):
         self._tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # special tokens rendered although specials are skipped (a tool-call format's markers,
+        # e.g. Mistral's [TOOL_CALLS]): the others are dropped by id before decoding
+        keep = frozenset(keep_special)
+        self._dropped = frozenset(tokenizer.special_token_ids) - keep if skip_special_tokens and keep else None
         self._ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]) if prompt_ids else []
         self.prefix_offset = 0
         self.read_offset = len(self._ids)
@@ -265,6 +269,10 @@ class IncrementalDetokenizer:
         window = self._ids[self.prefix_offset:]
         prefix_len = self.read_offset - self.prefix_offset
         skip = self.skip_special_tokens
+        if self._dropped is not None:
+            prefix = [i for i in window[:prefix_len] if i not in self._dropped]
+            return (decode(prefix, skip_special_tokens=False),
+                    decode([i for i in window if i not in self._dropped], skip_special_tokens=False))
         return (decode(window[:prefix_len], skip_special_tokens=skip),
                 decode(window, skip_special_tokens=skip))
 

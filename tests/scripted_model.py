@@ -19,7 +19,8 @@ imports before it loads the model.
 How a step picks the next token. The model keeps the token id of every KV slot it has seen
 (its "KV cache" is the token ids themselves), so it can read each sequence's whole context;
 it decodes it (special tokens kept) and:
-  * the reply starts after the LAST `reply_after` in the context (the generation prompt); text
+  * the reply starts after the LAST `reply_after` in the context (the generation prompt; a
+    list: the last of any of them, e.g. Mistral's [/INST] and [/TOOL_RESULTS]); text
     after it (a prefill such as `<tool_call>\\n`, then the generated tokens) is `generated`;
   * the script is the one whose `when` occurs LAST in the text before that point;
   * if `generated` is a prefix of the reply, the next token is the first token of the rest;
@@ -84,10 +85,11 @@ class ScriptedLM:
 
     def next_token(self, context: list[int]) -> int:
         text = self.tok.decode(context, skip_special_tokens=False)
-        at = text.rfind(self.reply_after)
+        markers = [self.reply_after] if isinstance(self.reply_after, str) else self.reply_after
+        at, marker = max((text.rfind(m), m) for m in markers)
         if at < 0:
             return self.eos
-        before, generated = text[:at], text[at + len(self.reply_after):]
+        before, generated = text[:at], text[at + len(marker):]
         best, reply = -1, None
         for s in self.scripts:
             hit = before.rfind(s["when"])
@@ -134,7 +136,7 @@ def build_scripted(ckpt: Checkpoint, ops) -> ScriptedLM:
 
 def write_scripted_checkpoint(path, tokenizer_dir, scripts: list[dict], *,
                               eos_token: str = "<|im_end|>",
-                              reply_after: str = "<|im_start|>assistant\n",
+                              reply_after: str | list[str] = "<|im_start|>assistant\n",
                               max_position_embeddings: int = 4096) -> str:
     """A scripted checkpoint in `path`, reusing tokenizer.json / tokenizer_config.json from
     `tokenizer_dir`."""

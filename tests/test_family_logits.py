@@ -2,8 +2,8 @@
 (tests/family_checks.py), on each family's tiny random checkpoints: teacher-forced logits
 one-shot, prefill-then-decode, chunked prefill at several chunk sizes, a mixed batch over dirty
 blocks, and greedy generation through the engine with prefix-cache hits and batching. The
-family-specific checks are in tests/test_gemma4.py, tests/test_minimax_m2.py and
-tests/test_nemotron_h.py."""
+family-specific checks are in tests/test_gemma4.py, tests/test_minimax_m2.py,
+tests/test_nemotron_h.py and tests/test_mistral.py."""
 from __future__ import annotations
 
 import numpy as np
@@ -16,7 +16,8 @@ PROMPT_LEN = 70
 
 
 @pytest.fixture(scope="module", params=["gemma4_dense", "gemma4_moe", "minimax_m2", "nemotron_h",
-                                        "nemotron_h_moe"])
+                                        "nemotron_h_moe", "mistral_swa", "ministral", "ministral3",
+                                        "mistral3"])
 def arch(request):
     return request.param
 

@@ -2,8 +2,11 @@
 loading to the logits HF computes from the source checkpoint: MiniMax M2 (`minimax-m2`: HF
 tensor names mapped by gguf's tensor map, the experts' w1 / w3 / w2 stacked per layer,
 e_score_correction_bias as exp_probs_b, rotary_dim as rope.dimension_count, the experts' width
-as expert_feed_forward_length; no Q/K permutation) and Nemotron-H (`nemotron_h`,
-`nemotron_h_moe`: see _write_nemotron_h_gguf)."""
+as expert_feed_forward_length; no Q/K permutation), Nemotron-H (`nemotron_h`,
+`nemotron_h_moe`: see _write_nemotron_h_gguf), Mistral v0.1 (which llama.cpp's LlamaModel
+converter writes as arch `llama`: Q/K rows permuted, head_dim as key_length, the window as
+llama.attention.sliding_window; served with the window, as HF's MistralForCausalLM) and
+Ministral 3 (arch `mistral3`, llama.cpp's Ministral3Model converter)."""
 from __future__ import annotations
 
 import gguf
@@ -68,6 +71,87 @@ def _write_gguf(src: str, dst: str, vocab: list[str]) -> str:
     w.write_tensors_to_file()
     w.close()
     return dst
+
+
+def _llama_permute(weights: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute (interleaved rotary pairs -> halves, per head)."""
+    return weights.reshape(n_heads, 2, weights.shape[0] // n_heads // 2, *weights.shape[1:]) \
+        .swapaxes(1, 2).reshape(weights.shape)
+
+
+def _write_mistral_gguf(src: str, dst: str, vocab: list[str], arch: str = "llama") -> str:
+    """llama.cpp's LlamaModel layout; arch `mistral3`: its Ministral3Model (YaRN keys,
+    yarn_log_multiplier = mscale_all_dim, temperature_scale = llama_4_scaling_beta)."""
+    import json
+
+    config = json.load(open(f"{src}/config.json"))
+    state = load_file(f"{src}/model.safetensors")
+    w = gguf.GGUFWriter(dst, arch)
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_key_length(config["head_dim"])
+    w.add_value_length(config["head_dim"])
+    w.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    w.add_rope_dimension_count(config["head_dim"])
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if config.get("sliding_window"):
+        w.add_sliding_window(config["sliding_window"])
+    if arch == "mistral3":
+        rope = config["rope_parameters"]
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        w.add_rope_scaling_yarn_log_mul(rope["mscale_all_dim"])
+        w.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(vocab)
+    w.add_token_types([gguf.TokenType.CONTROL] * len(SPECIALS) + [gguf.TokenType.NORMAL] * (len(vocab) - len(SPECIALS)))
+    w.add_token_merges(MERGES)
+    w.add_eos_token_id(2)
+    w.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
+    w.add_tensor("output.weight", state["lm_head.weight"])
+    w.add_tensor("output_norm.weight", state["model.norm.weight"])
+    names = dict(_NAMES, **{"mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"})
+    heads = {"self_attn.q_proj": config["num_attention_heads"], "self_attn.k_proj": config["num_key_value_heads"]}
+    for i in range(config["num_hidden_layers"]):
+        for hf, name in names.items():
+            key = f"model.layers.{i}.{hf}.weight"
+            if key in state:
+                t = state[key]
+                w.add_tensor(f"blk.{i}.{name}.weight", _llama_permute(t, heads[hf]) if hf in heads else t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.mark.parametrize("arch, gguf_arch, expect", [
+    ("mistral_swa", "llama", {"model_type": "mistral", "sliding_window": 16, "head_dim": 24}),
+    ("ministral3", "mistral3", {"model_type": "ministral3", "head_dim": 24})])
+def test_mistral_ggufs_serve_like_hf(tmp_path, arch, gguf_arch, expect):
+    """Mistral v0.1 (arch llama, its window kept) and Ministral 3 (arch mistral3: YaRN plus the
+    attention temperature, which moves positions past 16 here) against HF's logits."""
+    vocab = _vocab()
+    src = make_tiny_family(arch, tmp_path / "hf", vocab_size=len(vocab))
+    path = _write_mistral_gguf(src, str(tmp_path / "tiny.gguf"), vocab, gguf_arch)
+    ckpt = load_checkpoint(path, cache_dir=str(tmp_path))
+    assert {k: ckpt.config.get(k) for k in expect} == expect
+    ops = CpuOps()
+    model = build_model(ckpt, ops)
+    prompt = np.random.default_rng(1).integers(0, len(vocab), 50).tolist()      # past 16 positions
+    caches = ModelCaches(model.cache_spec(), ops, 8, 16, 1)
+    batch = contiguous_batch([prompt], [0], [[3, 1, 5, 6, 0, 2, 7]], [0], 16, True)
+    ours = model.forward(batch, caches)
+    ref = hf_logits(load_hf(src), prompt)
+    assert float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref))) <= 1e-4
 
 
 def test_minimax_m2_gguf_matches_hf(tmp_path):

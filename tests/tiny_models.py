@@ -129,7 +129,7 @@ def load_hf(path):
     import transformers as tf
 
     config = tf.AutoConfig.from_pretrained(str(path))
-    if config.model_type in ("qwen3_5", "qwen3_5_moe"):
+    if config.model_type in ("qwen3_5", "qwen3_5_moe", "mistral3"):
         cls = tf.AutoModelForImageTextToText
     else:
         cls = tf.AutoModelForCausalLM
@@ -295,6 +295,107 @@ def write_qwen_tokenizer(path, chat_template: str | None = QWEN2_5_CHAT_TEMPLATE
               "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>", "errors": "replace",
               "model_max_length": HUGE_MODEL_MAX_LENGTH, "pad_token": "<|endoftext|>",
               "split_special_tokens": False, "tokenizer_class": "Qwen2Tokenizer", "unk_token": None}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    return config
+
+
+# Mistral-7B-Instruct-v0.3's chat format, written here from that template's logic: BOS; the
+# system message goes in front of the LAST user message; [AVAILABLE_TOOLS] [...][/AVAILABLE_TOOLS]
+# right before the last user message when tools are given; user turns "[INST] ...[/INST]";
+# assistant text " " + trimmed content + EOS; tool calls "[TOOL_CALLS] [{name, arguments, id}]"
+# + EOS and tool results '[TOOL_RESULTS] {"content": ..., "call_id": ...}[/TOOL_RESULTS]', both
+# with Mistral's 9-character ids (anything else is refused, as the original does); user and
+# assistant turns must alternate.
+MISTRAL_V03_CHAT_TEMPLATE = """{%- set ns = namespace(system=none, tools_at=-1, turn=0) %}
+{%- if messages[0].role == 'system' %}
+    {%- set ns.system = messages[0].content %}
+    {%- set turns = messages[1:] %}
+{%- else %}
+    {%- set turns = messages %}
+{%- endif %}
+{%- for m in turns %}
+    {%- if m.role == 'user' %}{% set ns.tools_at = loop.index0 %}{% endif %}
+    {%- if m.role == 'user' or (m.role == 'assistant' and not m.tool_calls) %}
+        {%- if (m.role == 'user') != (ns.turn % 2 == 0) %}
+            {{- raise_exception('After the optional system message, conversation roles must alternate user/assistant/user/assistant/...') }}
+        {%- endif %}
+        {%- set ns.turn = ns.turn + 1 %}
+    {%- endif %}
+{%- endfor %}
+{{- bos_token }}
+{%- for m in turns %}
+    {%- if m.role == 'user' %}
+        {%- if tools and loop.index0 == ns.tools_at %}
+            {{- '[AVAILABLE_TOOLS] [' }}
+            {%- for t in tools %}
+                {{- '{"type": "function", "function": ' + t.function | tojson + '}' }}
+                {{- ', ' if not loop.last }}
+            {%- endfor %}
+            {{- ']' + '[/AVAILABLE_TOOLS]' }}
+        {%- endif %}
+        {%- if loop.index0 == ns.tools_at and ns.system is not none %}
+            {{- '[INST] ' + ns.system + '\n\n' + m.content + '[/INST]' }}
+        {%- else %}
+            {{- '[INST] ' + m.content + '[/INST]' }}
+        {%- endif %}
+    {%- elif m.role == 'assistant' and m.tool_calls %}
+        {{- '[TOOL_CALLS] [' }}
+        {%- for call in m.tool_calls %}
+            {%- if call.id is not defined or call.id | length != 9 %}
+                {{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}
+            {%- endif %}
+            {{- (call.function | tojson)[:-1] + ', "id": "' + call.id + '"}' }}
+            {{- ', ' if not loop.last else ']' + eos_token }}
+        {%- endfor %}
+    {%- elif m.role == 'assistant' %}
+        {{- ' ' + m.content | trim + eos_token }}
+    {%- elif m.role == 'tool' %}
+        {%- if m.tool_call_id is not defined or m.tool_call_id | length != 9 %}
+            {{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}
+        {%- endif %}
+        {{- '[TOOL_RESULTS] {"content": ' + m.content | string + ', "call_id": "' + m.tool_call_id + '"}[/TOOL_RESULTS]' }}
+    {%- else %}
+        {{- raise_exception('Only user and assistant roles are supported, with the exception of an initial optional system message!') }}
+    {%- endif %}
+{%- endfor %}
+"""
+
+# Mistral v0.3's control tokens at their ids (0..9), then byte-level pieces
+MISTRAL_SPECIALS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
+                    "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]")
+MISTRAL_BOS, MISTRAL_EOS = 1, 2
+
+
+def write_mistral_tokenizer(path, chat_template: str | None = MISTRAL_V03_CHAT_TEMPLATE) -> dict:
+    """A tokenizer.json laid out as Mistral v0.3's: its ten control tokens special at ids 0..9
+    (<unk> <s> </s> [INST] [/INST] [TOOL_CALLS] [AVAILABLE_TOOLS] [/AVAILABLE_TOOLS]
+    [TOOL_RESULTS] [/TOOL_RESULTS]), then byte-level BPE pieces (256 bytes and fillers: VOCAB
+    ids in all; the real one is SentencePiece, which only the text tokens' split changes),
+    and a tokenizer_config.json with <s> / </s>, add_bos_token and the chat template.
+    Returns that config."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(MISTRAL_SPECIALS)}
+    vocab.update((ch, len(vocab)) for ch in sorted(pre_tokenizers.ByteLevel.alphabet()))
+    vocab.update((f"w{i}", len(vocab)) for i in range(VOCAB - len(vocab)))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in MISTRAL_SPECIALS])
+    assert [tok.token_to_id(t) for t in MISTRAL_SPECIALS] == list(range(len(MISTRAL_SPECIALS)))
+    os.makedirs(path, exist_ok=True)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    decoder = {str(i): dict(content=t, lstrip=False, normalized=False, rstrip=False, single_word=False,
+                            special=True) for i, t in enumerate(MISTRAL_SPECIALS)}
+    config = {"add_bos_token": True, "add_eos_token": False, "added_tokens_decoder": decoder,
+              "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": None,
+              "clean_up_tokenization_spaces": False, "legacy": False, "model_max_length": 32768,
+              "tokenizer_class": "PreTrainedTokenizerFast"}
     if chat_template is not None:
         config["chat_template"] = chat_template
     with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
@@ -552,7 +653,8 @@ _QUANT_CONFIGS = {"fp8-block": _config_fp8_block, "ct-fp8-channel": _config_ct("
 # Gemma 4 (text), MiniMax M2, Nemotron-H: *ForCausalLM checkpoints (metrale.models.gemma4 /
 # minimax_m2 / nemotron_h)
 
-FAMILY_ARCHS = ("gemma4_dense", "gemma4_moe", "minimax_m2", "nemotron_h", "nemotron_h_moe")
+FAMILY_ARCHS = ("gemma4_dense", "gemma4_moe", "minimax_m2", "nemotron_h", "nemotron_h_moe", "mistral_swa",
+                "ministral", "ministral3", "mistral3")
 
 _GEMMA4_TEXT = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
@@ -575,6 +677,10 @@ _NEMOTRON_H = dict(
     layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention", "mlp",
                        "linear_attention"],
 )
+_MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 32.0,
+                    "original_max_position_embeddings": 16, "max_position_embeddings": 512,
+                    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                    "llama_4_scaling_beta": 0.1}
 
 _FAMILY_CONFIGS = {
     # per-layer inputs, the last two layers sharing K/V (one sliding, one global) with double-wide MLPs
@@ -584,6 +690,16 @@ _FAMILY_CONFIGS = {
     "gemma4_moe": dict(_GEMMA4_TEXT, hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=5,
                        top_k_experts=2, moe_intermediate_size=32, attention_k_eq_v=True,
                        num_global_key_value_heads=1, tie_word_embeddings=False),
+    # Mistral v0.1: every layer over a 16-key sliding window (shorter than the 70-token prompts)
+    "mistral_swa": dict(_COMMON, head_dim=24, sliding_window=16,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+    # Ministral-8B-2410: sliding and full layers interleaved
+    "ministral": dict(_COMMON, head_dim=24, sliding_window=16,
+                      layer_types=["sliding_attention", "full_attention"] * 2,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    # Ministral 3: YaRN plus Llama-4 attention temperature (original length 16, so positions past
+    # 16 are scaled); no sliding window, as the releases
+    "ministral3": dict(_COMMON, head_dim=24, sliding_window=None, rope_parameters=_MINISTRAL3_ROPE),
     "minimax_m2": dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=3,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                        max_position_embeddings=512, rms_norm_eps=1e-6, num_local_experts=6,
@@ -604,21 +720,19 @@ _FAMILY_CONFIGS = {
 
 
 def make_tiny_family(arch: str, path, dtype: str = "float32", seed: int = 0, **overrides) -> str:
-    """A tiny random Gemma4ForCausalLM / MiniMaxM2ForCausalLM / NemotronHForCausalLM checkpoint (FAMILY_ARCHS) in
-    `path`. Parameters are perturbed as make_tiny does, and so are the buffers that change the
-    math (Gemma 4's layer_scalar, MiniMax's e_score_correction_bias), which HF inits to
-    constants. Returns `path` as str."""
+    """A tiny random Gemma4ForCausalLM / MiniMaxM2ForCausalLM / NemotronHForCausalLM /
+    MistralForCausalLM (v0.1 sliding window) / MinistralForCausalLM / Ministral3ForCausalLM
+    checkpoint, or a Mistral3ForConditionalGeneration one (a one-layer Pixtral tower beside a
+    ministral3 text model; `model_type="mistral"` in overrides for Mistral Small's text model),
+    in `path` (FAMILY_ARCHS). Parameters are perturbed as make_tiny does, and so are the buffers
+    that change the math (Gemma 4's layer_scalar, MiniMax's e_score_correction_bias), which HF
+    inits to constants. Returns `path` as str."""
     import torch
     import transformers as tf
 
-    text = dict(_FAMILY_CONFIGS[arch], **overrides)
+    text = dict(_FAMILY_CONFIGS["ministral3" if arch == "mistral3" else arch], **overrides)
     torch.manual_seed(seed)
-    if arch.startswith("gemma4"):
-        model = tf.Gemma4ForCausalLM(tf.Gemma4TextConfig(**text))
-    elif arch.startswith("nemotron_h"):
-        model = tf.NemotronHForCausalLM(tf.NemotronHConfig(**text))
-    else:
-        model = tf.MiniMaxM2ForCausalLM(tf.MiniMaxM2Config(**text))
+    model = _family_model(tf, arch, text)
     _randomise(model, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -631,6 +745,25 @@ def make_tiny_family(arch: str, path, dtype: str = "float32", seed: int = 0, **o
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(str(path))
     return str(path)
+
+
+def _family_model(tf, arch: str, text: dict):
+    if arch.startswith("gemma4"):
+        return tf.Gemma4ForCausalLM(tf.Gemma4TextConfig(**text))
+    if arch.startswith("nemotron_h"):
+        return tf.NemotronHForCausalLM(tf.NemotronHConfig(**text))
+    if arch == "mistral3":      # the Ministral 3 / Mistral Small 3.x layout: a Pixtral tower beside
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      head_dim=16, patch_size=4, image_size=32)
+        text = dict(text, model_type=text.get("model_type", "ministral3"))
+        return tf.Mistral3ForConditionalGeneration(tf.Mistral3Config(
+            text_config=text, vision_config=vision, tie_word_embeddings=text["tie_word_embeddings"]))
+    classes = {"mistral_swa": (tf.MistralConfig, tf.MistralForCausalLM),
+               "ministral": (tf.MinistralConfig, tf.MinistralForCausalLM),
+               "ministral3": (tf.Ministral3Config, tf.Ministral3ForCausalLM),
+               "minimax_m2": (tf.MiniMaxM2Config, tf.MiniMaxM2ForCausalLM)}
+    config_cls, model_cls = classes[arch]
+    return model_cls(config_cls(**text))
 
 
 def make_tiny_gemma4_multimodal(path, seed: int = 0, **overrides) -> str:

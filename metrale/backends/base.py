@@ -158,7 +158,8 @@ def compose_gated_delta_rule_with_gates(ops, q, k, v, a, b, A_log, dt_bias, ssm_
 
 
 class FamilyOps(Protocol):
-    """Ops the Gemma 4 and MiniMax M2 families add (metrale.models.gemma4 / minimax_m2). A
+    """Ops the Gemma 4, MiniMax M2 and Mistral families add (metrale.models.gemma4 /
+    minimax_m2 / llama: Mistral's sliding window, Ministral 3's attention temperature). A
     backend without one of them cannot serve a model whose config needs it: the model's builder
     refuses it at load (`missing_ops`), naming the feature, never serving it wrong."""
 
@@ -168,6 +169,10 @@ class FamilyOps(Protocol):
         positions (p - window, p] of its sequence's paged KV. The blocks outside the window stay
         in the cache (prefix caching and chunked prefill see the same blocks); only the mask
         changes."""
+
+    def attn_temperature(self, q: Array, positions: Array, beta: float, length: float) -> Array:
+        """Llama-4 attention temperature scaling (Ministral 3): q [T, Hq, D] times
+        1 + beta * ln(1 + floor(positions[t] / length)) per token, in fp32; q's dtype out."""
 
     def softcap(self, x: Array, cap: float) -> Array:
         """cap * tanh(x / cap), in fp32 (logit soft-capping); x's dtype out."""

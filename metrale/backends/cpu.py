@@ -472,6 +472,11 @@ class CpuOps:
                                        _load_kv(v_cache, slots), context, scale, window, first)
         return self._out(out)
 
+    def attn_temperature(self, q, positions, beta, length):
+        pos = np.asarray(positions).astype(F32)
+        scale = F32(1.0) + F32(beta) * np.log1p(np.floor(pos / F32(length)))
+        return self._out(_f32(q) * scale[:, None, None])
+
     def softcap(self, x, cap):
         return (F32(cap) * np.tanh(_f32(x) / F32(cap))).astype(np.asarray(x).dtype, copy=False)
 

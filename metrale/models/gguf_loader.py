@@ -5,7 +5,11 @@
   is lazy, so only one dequantized tensor need be in memory at a time; each access dequantizes
   afresh, so read each tensor once). Q and K rows get llama.cpp's converter permutation undone, as
   HF transformers' GGUF loader does, so they match the HF checkpoint the GGUF was made from.
-- The config is synthesized in HF Llama form from the `llama.*` metadata.
+- The config is synthesized in HF Llama form from the `llama.*` metadata; a
+  `llama.attention.sliding_window` below the context length (Mistral v0.1, which llama.cpp's
+  converter writes as `llama`) makes it HF Mistral form with that window on every layer.
+  `mistral3` files (llama.cpp's Ministral3Model converter: the llama layout plus YaRN and the
+  attention temperature) load in HF Ministral3 form (`ministral3_config`).
 - `minimax-m2` files load the same way in HF MiniMax M2 form (`minimax_m2_config`,
   `minimax_m2_tensor_name`; no Q/K permutation to undo). Gemma 4 (`gemma4`) is not mapped yet.
 - `nemotron_h` / `nemotron_h_moe` files load in HF Nemotron-H form (`nemotron_h_config`,
@@ -30,7 +34,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from metrale.models.checkpoint import Checkpoint, CheckpointError
 
-SUPPORTED_ARCHITECTURES = ("llama", "minimax-m2", "nemotron_h", "nemotron_h_moe")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral3", "minimax-m2", "nemotron_h", "nemotron_h_moe")
 SUPPORTED_QUANT_TYPES = tuple(
     GGMLQuantizationType[t] for t in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"))
 # Architectures llama.cpp writes that have a model here but no GGUF mapping yet: what to do instead.
@@ -77,8 +81,8 @@ def load_gguf(path: str, cache_dir: str | None = None, name: str | None = None) 
     if architecture.startswith("nemotron_h"):
         config = nemotron_h_config(meta, architecture, {t.name for t in reader.tensors})
     else:
-        config = (minimax_m2_config(meta, has_output) if architecture == "minimax-m2"
-                  else llama_config(meta, has_output))
+        config = {"minimax-m2": minimax_m2_config, "mistral3": ministral3_config}.get(
+            architecture, llama_config)(meta, has_output)
     tensors = GGUFTensors(reader, path, config)
     tokenizer = build_tokenizer(meta)
     return Checkpoint(
@@ -133,25 +137,26 @@ class GGUFMetadata:
 # Config
 
 
-def llama_config(meta: GGUFMetadata, has_output: bool) -> dict:
-    """HF LlamaConfig-style dict from the `llama.*` metadata."""
-    hidden = int(meta.require("llama.embedding_length"))
-    heads = int(meta.require("llama.attention.head_count"))
-    rope_theta = _float32_value(meta.get("llama.rope.freq_base", 10000.0))
-    vocab = meta.get("llama.vocab_size") or len(meta.require("tokenizer.ggml.tokens"))
+def llama_config(meta: GGUFMetadata, has_output: bool, arch: str = "llama") -> dict:
+    """HF LlamaConfig-style dict from the `llama.*` metadata (`arch`: another prefix the
+    converter writes in the same layout)."""
+    hidden = int(meta.require(f"{arch}.embedding_length"))
+    heads = int(meta.require(f"{arch}.attention.head_count"))
+    rope_theta = _float32_value(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    vocab = meta.get(f"{arch}.vocab_size") or len(meta.require("tokenizer.ggml.tokens"))
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": hidden,
-        "intermediate_size": int(meta.require("llama.feed_forward_length")),
-        "num_hidden_layers": int(meta.require("llama.block_count")),
+        "intermediate_size": int(meta.require(f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(meta.require(f"{arch}.block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", heads)),
-        "head_dim": int(meta.get("llama.attention.key_length", hidden // heads)),
-        "rms_norm_eps": _float32_value(meta.require("llama.attention.layer_norm_rms_epsilon")),
+        "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
+        "rms_norm_eps": _float32_value(meta.require(f"{arch}.attention.layer_norm_rms_epsilon")),
         "rope_theta": rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
-        "max_position_embeddings": int(meta.require("llama.context_length")),
+        "max_position_embeddings": int(meta.require(f"{arch}.context_length")),
         "vocab_size": int(vocab),
         "hidden_act": "silu",
         "attention_bias": False,
@@ -162,6 +167,32 @@ def llama_config(meta: GGUFMetadata, has_output: bool) -> dict:
         token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
         if token_id is not None:
             config[f"{key}_token_id"] = int(token_id)
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if arch == "llama" and window and int(window) < config["max_position_embeddings"]:
+        # a Mistral v0.1-style checkpoint (llama.cpp writes Mistral as `llama`): served as HF's
+        # MistralForCausalLM computes it, every layer over that window
+        config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=int(window))
+    return config
+
+
+def ministral3_config(meta: GGUFMetadata, has_output: bool) -> dict:
+    """HF Ministral3Config-style dict from the `mistral3.*` metadata: llama.cpp's Ministral3Model
+    converter writes the llama layout (Q/K rows permuted) plus its YaRN rope (scaling type,
+    factor, original context, betas; yarn_log_multiplier = mscale_all_dim) and
+    attention.temperature_scale = llama_4_scaling_beta (over the original context)."""
+    config = llama_config(meta, has_output, "mistral3")
+    rope = config["rope_parameters"]
+    if meta.get("mistral3.rope.scaling.type", "none") != "yarn":
+        raise CheckpointError(f"{meta.path}: a mistral3 GGUF without YaRN rope scaling is not one "
+                              f"llama.cpp's Ministral 3 converter writes; refusing it")
+    key = "mistral3.rope.scaling."
+    rope.update(rope_type="yarn", factor=_float32_value(meta.require(key + "factor")),
+                original_max_position_embeddings=int(meta.require(key + "original_context_length")),
+                beta_fast=_float32_value(meta.get(key + "yarn_beta_fast", 32.0)),
+                beta_slow=_float32_value(meta.get(key + "yarn_beta_slow", 1.0)), mscale=1.0,
+                mscale_all_dim=_float32_value(meta.get(key + "yarn_log_multiplier", 1.0)),
+                llama_4_scaling_beta=_float32_value(meta.get("mistral3.attention.temperature_scale", 0.0)))
+    config.update(architectures=["Ministral3ForCausalLM"], model_type="ministral3")
     return config
 
 
@@ -192,11 +223,12 @@ class GGUFTensors(Mapping):
         self.path = path
         self._heads = config["num_attention_heads"]
         self._kv_heads = config["num_key_value_heads"]
-        self._llama = config["model_type"] == "llama"      # only llama's converter permutes Q/K rows
+        # only llama's converter permutes Q/K rows (it writes Mistral as `llama` too) ...
+        self._llama = config["model_type"] in ("llama", "mistral", "ministral3")
         self._nemotron_h = config["model_type"] == "nemotron_h"     # ... and Nemotron-H's
-        renames = {"llama": hf_tensor_name, "minimax_m2": minimax_m2_tensor_name,
-                   "nemotron_h": nemotron_h_tensor_name}
-        self._rename = lambda n: renames[config["model_type"]](n, path)
+        rename = (hf_tensor_name if self._llama else
+                  {"minimax_m2": minimax_m2_tensor_name, "nemotron_h": nemotron_h_tensor_name}[config["model_type"]])
+        self._rename = lambda n: rename(n, path)
         self._tensors: dict[str, ReaderTensor] = {}
         for tensor in reader.tensors:
             self._check_type(tensor)

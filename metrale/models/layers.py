@@ -77,11 +77,18 @@ class AttentionShape:
 
 
 class Attention:
-    """Paged causal GQA attention with optional q/k head norms, (partial) rotary, output gate."""
+    """Paged causal GQA attention with optional q/k head norms, (partial) rotary, output gate.
+
+    `window`: a sliding window (the token at position p sees keys in (p - window, p]: Mistral
+    v0.1, Ministral's sliding layers), or None for full attention. `temperature`: (beta, length)
+    of Llama-4 attention temperature scaling (Ministral 3: queries times
+    1 + beta * ln(1 + floor(p / length)) after rotary), or None."""
 
     def __init__(self, w: Weights, layer: int, hidden: int, shape: AttentionShape, norm: NormSpec,
-                 rope: tuple[np.ndarray, int], qkv_bias: bool, o_bias: bool, qk_norm: bool):
+                 rope: tuple[np.ndarray, int], qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                 window: int | None = None, temperature: tuple[float, float] | None = None):
         self.ops, self.layer, self.shape, self.norm = w.ops, layer, shape, norm
+        self.window, self.temperature = window, temperature
         hq, hk, d = shape.n_heads, shape.n_kv_heads, shape.head_dim
         q_rows = hq * d * (2 if shape.gated else 1)
         q = w.host("q_proj.weight", (q_rows, hidden))
@@ -110,7 +117,12 @@ class Attention:
         q = ops.qk_norm_rope_write_kv(q, k, v, self.q_norm, self.k_norm, self.norm.eps, self.norm.offset,
                                       batch.positions, self.inv_freq, self.rotary_dim, k_cache, v_cache,
                                       batch)
-        o = ops.attention(q, k_cache, v_cache, batch, d ** -0.5).reshape(t, hq * d)
+        if self.temperature is not None:
+            q = ops.attn_temperature(q, batch.positions, *self.temperature)
+        if self.window is None:
+            o = ops.attention(q, k_cache, v_cache, batch, d ** -0.5).reshape(t, hq * d)
+        else:
+            o = ops.sliding_attention(q, k_cache, v_cache, batch, d ** -0.5, self.window).reshape(t, hq * d)
         if self.shape.gated:
             o = ops.sigmoid_mul(o, qkv[:, hq * d: q_end])
         return ops.linear(o, self.o, self.o_bias)
@@ -248,10 +260,13 @@ class CausalLM:
 
 
 def load_embeddings(w: Weights, config: dict, prefix: str) -> tuple:
-    """(embed_tokens [V, H], lm_head [V, H]); the same array when embeddings are tied."""
+    """(embed_tokens [V, H], lm_head [V, H]); the same array when embeddings are tied. A
+    checkpoint that ships lm_head.weight although its config says tied gets its own lm_head, as
+    transformers loads it (it ties only a missing lm_head: Mistral3ForConditionalGeneration's
+    top-level tie_word_embeddings defaults to true while its releases ship a separate lm_head)."""
     shape = (config["vocab_size"], config["hidden_size"])
     embed = w.get(prefix + "embed_tokens.weight", shape)
-    if config.get("tie_word_embeddings", False):
+    if config.get("tie_word_embeddings", False) and not w.has("lm_head.weight"):
         return embed, embed
     return embed, w.get("lm_head.weight", shape)
 

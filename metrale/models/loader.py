@@ -35,11 +35,14 @@ from metrale.models.quant import describe_weight_groups, read_quant_config, weig
 log = logging.getLogger("metrale.models.loader")
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3", "qwen2", "llama", "mistral",
-                         "gemma4", "minimax_m2", "deepseek_v3", "nemotron_h")
+                         "gemma4", "minimax_m2", "deepseek_v3", "nemotron_h", "ministral",
+                         "ministral3")
 
 # Multimodal wrappers save their text config as `<type>_text`; we serve the text model under the
-# wrapper's name.
-_TEXT_MODEL_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe", "gemma4_text": "gemma4"}
+# wrapper's name. A Mistral3ForConditionalGeneration text_config without a model_type is a
+# `mistral` one (HF Mistral3Config's default).
+_TEXT_MODEL_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe", "gemma4_text": "gemma4",
+                     "mistral3": "mistral"}
 
 _SAFETENSORS_DTYPES = {
     "BOOL": np.dtype(np.bool_),
@@ -57,7 +60,10 @@ _SAFETENSORS_DTYPES = {
 # Prefixes of tensors that are not part of the text model (vision tower): dropped. Then
 # prefixes renamed to the text model's HF names; the multi-token-prediction head's tensors are
 # kept as `mtp.*` (metrale.models.mtp builds it when the checkpoint ships it).
-_DROPPED_PREFIXES = ("model.visual.", "visual.")
+_DROPPED_PREFIXES = ("model.visual.", "visual.",
+                     # Mistral3ForConditionalGeneration's Pixtral tower and projector (both layouts)
+                     "vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                     "model.multi_modal_projector.")
 _RENAMED_PREFIXES = (
     ("model.language_model.", "model."),
     ("language_model.model.", "model."),

@@ -28,6 +28,8 @@ _BUILDERS: dict[str, Callable[[Checkpoint, object], CausalLM]] = {
     "qwen2": build_llama_family,
     "llama": build_llama_family,
     "mistral": build_llama_family,
+    "ministral": build_llama_family,
+    "ministral3": build_llama_family,
     "gemma4": build_gemma4,
     "minimax_m2": build_minimax_m2,
     "deepseek_v3": build_deepseek_v3,

@@ -68,6 +68,8 @@ _DEFAULTS_BY_MODEL_TYPE = {
     "llama": "bare_json",
     "mistral": "mistral",
     "mistral3": "mistral",
+    "ministral": "mistral",
+    "ministral3": "mistral",
     "mixtral": "mistral",
     "deepseek_v3": "deepseek_v3",
     "nemotron_h": "qwen3_coder",     # the Nemotron 3 releases' chat template writes Qwen3-Coder XML calls
@@ -76,17 +78,23 @@ _DEFAULTS_BY_PREFIX = {"gemma": "gemma4", "minimax": "minimax_xml"}
 
 
 def make_tool_parser(
-    name: str, tools: Optional[Iterable[dict]], new_id: IdFactory = new_tool_call_id
+    name: str, tools: Optional[Iterable[dict]], new_id: Optional[IdFactory] = None
 ) -> ToolParser:
     """A fresh parser for one model output. `tools` are the request's declared tools (calls to
-    any other name are content); `new_id` makes tool-call ids (inject a fixed one in tests)."""
+    any other name are content); `new_id` makes tool-call ids (inject a fixed one in tests;
+    None: the format's own, `call_` + 24 characters except mistral's 9)."""
     if name not in PARSERS:
         raise ValueError(f"unknown tool-call parser {name!r}; choose one of: {', '.join(PARSERS)}")
-    return PARSERS[name](tools, new_id)
+    return PARSERS[name](tools) if new_id is None else PARSERS[name](tools, new_id)
+
+
+def marker_tokens(name: str) -> tuple[str, ...]:
+    """The words of parser `name`'s format that a tokenizer may hold as special tokens."""
+    return PARSERS[name].marker_tokens
 
 
 def parse_complete(
-    name: str, tools: Optional[Iterable[dict]], text: str, new_id: IdFactory = new_tool_call_id
+    name: str, tools: Optional[Iterable[dict]], text: str, new_id: Optional[IdFactory] = None
 ) -> tuple[str, list[ToolCall]]:
     """(content, calls) of a whole output: the streaming parser fed the text in one piece."""
     return make_tool_parser(name, tools, new_id).parse_complete(text)
@@ -125,6 +133,7 @@ __all__ = [
     "collect",
     "default_tool_parser",
     "make_tool_parser",
+    "marker_tokens",
     "new_tool_call_id",
     "parse_complete",
     "validate_replayed_tool_call",

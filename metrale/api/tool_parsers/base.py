@@ -82,6 +82,9 @@ class ToolParser:
     """Base streaming parser: `feed(delta) -> events`, then `finish() -> events` once."""
 
     start_tags: tuple[str, ...] = ()
+    # the format's words a tokenizer may hold as special tokens (Mistral's [TOOL_CALLS], Gemma
+    # 4's <|tool_call>): the chat detokenizer keeps them although it skips special tokens
+    marker_tokens: tuple[str, ...] = ()
 
     def __init__(self, tools: Optional[Iterable[dict]], new_id: IdFactory = new_tool_call_id):
         self.schemas = tool_schemas(tools)

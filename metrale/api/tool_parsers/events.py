@@ -57,6 +57,13 @@ def new_tool_call_id() -> str:
     return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
 
 
+def new_mistral_call_id() -> str:
+    """A Mistral-style id: 9 random ASCII letters/digits (Mistral's chat templates refuse any
+    other length in an assistant tool call or a tool result, so a client echoing our id back
+    round-trips; vLLM's mistral parser makes the same)."""
+    return "".join(secrets.choice(_ID_ALPHABET) for _ in range(9))
+
+
 def collect(events: Iterable[ToolEvent]) -> tuple[str, list[ToolCall]]:
     """Fold events into (content, calls): what a non-streaming response carries."""
     content: list[str] = []

@@ -150,6 +150,8 @@ class Gemma4Parser(DelimitedBlockParser):
     """`gemma4`: the wire formats and grammar are in this module's docstring."""
 
     end_tags = {"<|tool_call>": "<tool_call|>", "<start_function_call>": "<end_function_call>"}
+    marker_tokens = ("<|tool_call>", "<tool_call|>", '<|"|>', "<start_function_call>", "<end_function_call>",
+                     "<escape>")
 
     def _parse_body(self, body: str) -> Optional[list[ParsedCall]]:
         call = parse_gemma_call(body, _QUOTES[self._open_tag])

@@ -17,7 +17,7 @@ from metrale.api.tool_parsers.base import (
     calls_from_json_text,
     held_prefix_len,
 )
-from metrale.api.tool_parsers.events import IdFactory, ToolEvent, new_tool_call_id
+from metrale.api.tool_parsers.events import IdFactory, ToolEvent, new_mistral_call_id, new_tool_call_id
 from metrale.api.tool_parsers.jsonfix import loads_lenient, scan_json
 
 
@@ -116,13 +116,18 @@ class MistralParser(ToolParser):
         [TOOL_CALLS]a[ARGS]{...}                      (tokenizer v11+; repeats per call)
         [TOOL_CALLS]a[CALL_ID]abc123456[ARGS]{...}    (the model's id is replaced by ours)
 
+    Call ids are Mistral's 9 letters/digits (new_mistral_call_id), which its templates require.
     The block ends where the JSON value ends (brackets balanced, strings respected); text after
     it is content. A list is all-or-nothing: one bad entry makes the whole block content.
     At the end of the stream an unbalanced JSON value gets its closing brackets (repair).
     """
 
     start_tags = ("[TOOL_CALLS]",)
+    marker_tokens = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
     _NAME_CHARS = re.compile(r"[A-Za-z0-9_.\-]*")
+
+    def __init__(self, tools, new_id: IdFactory = new_mistral_call_id):
+        super().__init__(tools, new_id)
 
     def _step_block(self, events: list[ToolEvent], final: bool) -> bool:
         lead = len(self._buf) - len(self._buf.lstrip())

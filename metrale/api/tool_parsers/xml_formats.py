@@ -315,3 +315,4 @@ class MinimaxXmlParser(XmlCallParser):
     """
 
     dialect = MINIMAX_XML
+    marker_tokens = ("<minimax:tool_call>", "</minimax:tool_call>")
