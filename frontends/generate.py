@@ -25,6 +25,8 @@ import asyncio
 import uuid
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from metrale.api import errors
 from metrale.api.errors import APIError
 from metrale.api.reasoning_parser import ChatOutputParser, ReasoningParser
@@ -78,7 +80,7 @@ class ChatPlan:
 @dataclass
 class ChoiceSpec:
     index: int
-    prompt_ids: list[int]
+    prompt_ids: np.ndarray             # int32 (metrale.request.as_token_ids), sent as is
     params: SamplingParams             # validated, n = 1 (what the engine is sent)
     stop: list[str] = field(default_factory=list)
     plan: ChatPlan | None = None

@@ -303,8 +303,10 @@ class EngineCore:
 
     def add_request(self, req: Request) -> None:
         """Queue a request; raises ValueError when it can never run (too long, bad params).
-        Its sampler state (random generator) is set up here, so a request that cannot have one
-        is refused alone instead of failing a step."""
+        Its sampling parameters are validated here, for every caller (the server's Submits, the
+        offline API), and its sampler state (random generator) set up, so a request that cannot
+        have one is refused alone instead of failing a step."""
+        req.sampling_params.validate()
         if not req.eos_token_ids and self.eos_token_ids:
             req.eos_token_ids = self.eos_token_ids
         self.runner.admit(req)

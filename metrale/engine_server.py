@@ -302,9 +302,10 @@ class EngineServer:
             return self._refuse(msg, 503, f"the served model changed to {self.model_info.name}"
                                           " since this request was tokenized; retry")
         try:
-            params = msg.sampling_params.validate()   # the frontend may be another host's
-            # the queue limit (429), the context length and the deadline: Scheduler.add_request
-            self.core.add_request(Request(msg.request_id, list(msg.prompt_token_ids), params))
+            # the parameters (400), the queue limit (429), the context length and the deadline:
+            # EngineCore.add_request and Scheduler.add_request
+            self.core.add_request(Request(msg.request_id, msg.prompt_token_ids,
+                                          msg.sampling_params))
         except QueueFull as e:
             return self._refuse(msg, 429, str(e))
         except ValueError as e:

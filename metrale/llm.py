@@ -95,10 +95,9 @@ class LLM:
         detoks: dict[str, IncrementalDetokenizer] = {}
         order = []
         for toks, p in zip(token_lists, params):
-            p.validate()
-            for _ in range(p.n):
+            for _ in range(p.n):       # EngineCore.add_request validates p
                 rid = f"llm-{next(self._ids)}"
-                self.core.add_request(Request(rid, list(toks), p))
+                self.core.add_request(Request(rid, toks, p))
                 results[rid] = GenerationResult(prompt_token_ids=list(toks))
                 if self.tokenizer is not None:
                     detoks[rid] = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)

@@ -234,7 +234,8 @@ class IncrementalDetokenizer:
                  skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self._ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]) if prompt_ids else []
+        self._ids: list[int] = [int(t) for t in prompt_ids[-PROMPT_CONTEXT_TOKENS:]] \
+            if len(prompt_ids) else []
         self.prefix_offset = 0
         self.read_offset = len(self._ids)
 

@@ -35,6 +35,7 @@ from typing import NamedTuple
 import numpy as np
 import orjson
 
+from metrale.request import as_token_ids
 from metrale.sampling import GENERATION_CONFIG_FIELDS, SamplingParams
 from metrale.tokenizer import NAMED_SPECIAL_TOKENS
 
@@ -49,11 +50,23 @@ PEER_TIMEOUT_S = 5.0         # silent this long: the other side is gone (see the
 class Submit:
     request_id: str
     frontend_id: str
-    prompt_token_ids: tuple[int, ...]
-    sampling_params: SamplingParams   # built (and validated) by the frontend; the engine checks
-                                      # it again at admission: a frontend may be another host's
+    prompt_token_ids: np.ndarray      # int32, the one type of a prompt (request.as_token_ids)
+    sampling_params: SamplingParams   # built and validated by the frontend; EngineCore.add_request
+                                      # checks it again: a frontend may be another host's
     load_id: int = 0                  # ModelInfo.load_id the frontend tokenized for (0: any); a
                                       # Submit for a model since swapped out is refused (503)
+
+    def __post_init__(self):
+        object.__setattr__(self, "prompt_token_ids", as_token_ids(self.prompt_token_ids))
+
+    def __eq__(self, other):
+        if type(other) is not Submit:
+            return NotImplemented
+        return (self.request_id, self.frontend_id, self.sampling_params, self.load_id) == \
+            (other.request_id, other.frontend_id, other.sampling_params, other.load_id) \
+            and np.array_equal(self.prompt_token_ids, other.prompt_token_ids)
+
+    __hash__ = None
 
 
 @dataclass(frozen=True)
@@ -277,12 +290,13 @@ def _dropped(where: str, key: str, value, strict: bool) -> None:
                     where, key, value)
 
 
-def _ids_frame(ids) -> bytes:
-    return np.asarray(ids, dtype="<i4").tobytes()
+def _ids_frame(ids: np.ndarray) -> bytes:
+    return ids.astype("<i4", copy=False).tobytes()
 
 
-def _ids(frame) -> tuple[int, ...]:
-    return tuple(np.frombuffer(frame, dtype="<i4").tolist())
+def _ids(frame) -> np.ndarray:
+    """The int32 frame as a read-only array over the frame's bytes (no copy)."""
+    return np.frombuffer(frame, dtype="<i4").astype(np.int32, copy=False)
 
 
 def encode(msg) -> list[bytes]:
