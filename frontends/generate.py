@@ -35,6 +35,7 @@ from metrale.api.tool_parsers import (ToolArgsDelta, ToolCallEnd, ToolCallStart,
 from metrale.client import AsyncEngineClient, EngineUnavailable
 from metrale.sampling import SamplingParams
 from metrale.tokenizer import IncrementalDetokenizer, Tokenizer
+from metrale.wire import TokenDelta, TokenLogprob
 
 
 # How `tool_choice` "required" / a named function is enforced: the assistant turn is prefilled
@@ -86,18 +87,16 @@ class ChoiceSpec:
     plan: ChatPlan | None = None
 
 
-@dataclass
-class TokenInfo:
-    token_id: int
-    logprob: float | None
-    top: tuple                         # ((token_id, logprob), ...)
+# a token of a piece of text: (token id, its wire.TokenLogprob from the engine's TokenDelta, or
+# None when the request asked for no logprobs)
+Token = tuple[int, TokenLogprob | None]
 
 
 @dataclass
 class ChoiceText:
     index: int
     text: str
-    tokens: list[TokenInfo]
+    tokens: list[Token]
     events: list | None = None         # parsed ChatEvents (chat plans only)
 
 
@@ -109,7 +108,7 @@ class ChoiceDone:
     num_output_tokens: int
     num_cached_tokens: int
     text: str = ""                     # the final piece (flushed / cut at a stop string)
-    tokens: list[TokenInfo] = field(default_factory=list)
+    tokens: list[Token] = field(default_factory=list)
     events: list | None = None         # the final parsed ChatEvents (chat plans only)
     stop_string: str | None = None     # the stop string that ended the output, if one did
     num_calls: int = 0                 # tool calls in the whole choice
@@ -158,7 +157,7 @@ class _Choice:
         self.spec = spec
         self.detok = IncrementalDetokenizer(tokenizer, spec.prompt_ids)
         self.stops = StopMatcher(spec.stop)
-        self.pending: list[tuple[TokenInfo, int]] = []   # tokens whose text is held back
+        self.pending: list[tuple[Token, int]] = []   # tokens whose text is held back
         self.produced = 0      # chars out of the detokenizer
         self.emitted = 0       # chars released to the client
         self.num_tokens = 0    # tokens consumed (usage counts these)
@@ -183,16 +182,14 @@ class _Choice:
         self.num_calls += sum(isinstance(e, ToolCallStart) for e in events)
         return events
 
-    def feed(self, delta) -> tuple[str, list[TokenInfo], bool]:
+    def feed(self, delta: TokenDelta) -> tuple[str, list[Token], bool]:
         text, stopped = "", False
         lps = delta.logprobs
         for i, tid in enumerate(delta.token_ids):
-            lp = lps[i] if i < len(lps) else None
-            info = TokenInfo(tid, lp[0] if lp else None, tuple(lp[1]) if lp else ())
             self.num_tokens += 1
             piece = self.detok.add(tid)
             self.produced += len(piece)
-            self.pending.append((info, self.produced))
+            self.pending.append(((tid, lps[i] if i < len(lps) else None), self.produced))
             out, stopped = self.stops.feed(piece)
             text += out
             self.emitted += len(out)
@@ -200,13 +197,13 @@ class _Choice:
                 break
         return text, self._release(everything=stopped), stopped
 
-    def finish(self) -> tuple[str, list[TokenInfo], bool]:
+    def finish(self) -> tuple[str, list[Token], bool]:
         out, stopped = self.stops.feed(self.detok.flush())
         if not stopped:
             out += self.stops.flush()
         return out, self._release(everything=True), stopped
 
-    def _release(self, everything: bool) -> list[TokenInfo]:
+    def _release(self, everything: bool) -> list[Token]:
         if everything:
             done, self.pending = self.pending, []
         else:

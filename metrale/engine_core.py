@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from metrale.backends import make_ops
 from metrale.backends.profiling import ProfiledOps
@@ -28,30 +28,12 @@ from metrale.runner import ModelRunner, SampledToken
 from metrale.sampling import pick_engine_seed
 from metrale.scheduler import Scheduler
 from metrale.spec import make_speculation
+from metrale.wire import TokenDelta, TokenLogprob
 
 log = logging.getLogger("metrale.engine_core")
 
 _CPU_KV_BUDGET_MB = 1024  # default KV pool on the CPU backend when no size is given
 PROFILE_REPORT_STEPS = 256  # --profile logs the per-op times this often
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What one step produced for one request (a delta, not the whole text)."""
-    request_id: str
-    new_token_ids: list[int] = field(default_factory=list)
-    new_logprobs: list[SampledToken] = field(default_factory=list)
-    finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_verifies: int = 0           # speculative decoding: verify steps, drafts, accepted
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass
@@ -322,7 +304,7 @@ class EngineCore:
             self._release(req.request_id)
             raise
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(self, request_id: str) -> TokenDelta | None:
         req = self.scheduler.abort_request(request_id)
         if req is None:
             return None
@@ -341,14 +323,14 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     # -- the step ---------------------------------------------------------------------------
-    def step(self, on_launch=None) -> list[RequestOutput]:
+    def step(self, on_launch=None) -> list[TokenDelta]:
         """One step. `on_launch()`, when given, runs once inside it while the GPU works on the
         step (see ModelRunner.execute): the serving loop publishes the previous step's tokens
         there, so that host work overlaps the device's instead of following it."""
         with self.stream:
             return self._step(on_launch)
 
-    def _step(self, on_launch=None) -> list[RequestOutput]:
+    def _step(self, on_launch=None) -> list[TokenDelta]:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         grammars = self.grammars if self.grammars is not None and self.grammars.states else None
@@ -389,23 +371,31 @@ class EngineCore:
         return list(outputs.values())
 
     @staticmethod
-    def _output(req: Request, tok: SampledToken | None, num_new: int | None = None) -> RequestOutput:
-        """`num_new`: tokens the step appended (a verify emits several; a stop among them
-        cuts the rest); None = `tok` alone."""
+    def _output(req: Request, tok: SampledToken | None, num_new: int | None = None) -> TokenDelta:
+        """What the step produced for `req` (the wire's TokenDelta, published as is).
+        `num_new`: tokens the step appended (a verify emits several; a stop among them cuts the
+        rest); None = `tok` alone."""
         if tok is None:
-            toks = []
-        elif tok.accepted is None:
-            toks = [tok]
+            ids, lps = (), ()
+        elif tok.accepted is None:      # the common case, without building sequences
+            ids = (tok.token_id,)
+            lps = () if tok.logprob is None else \
+                (TokenLogprob(tok.logprob, tuple(tok.top_logprobs or ())),)
         else:
             toks = [*tok.accepted, tok][:num_new]
-        return RequestOutput(
+            ids = tuple(t.token_id for t in toks)
+            lps = tuple(TokenLogprob(t.logprob, tuple(t.top_logprobs or ()))
+                        for t in toks if t.logprob is not None)
+        return TokenDelta(
             req.request_id,
-            [t.token_id for t in toks],
-            [t for t in toks if t.logprob is not None],
+            ids,
             req.finish_reason if req.is_finished else None,
             req.num_prompt_tokens,
             len(req.output_token_ids),
             req.num_cached_tokens,
+            lps,
+            None,
+            0,
             req.num_verifies,
             req.num_draft_tokens,
             req.num_accepted_tokens,
