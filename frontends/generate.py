@@ -25,6 +25,8 @@ import asyncio
 import uuid
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from metrale.api import errors
 from metrale.api.errors import APIError
 from metrale.api.reasoning_parser import ChatOutputParser, ReasoningParser
@@ -33,6 +35,7 @@ from metrale.api.tool_parsers import (ToolArgsDelta, ToolCallEnd, ToolCallStart,
 from metrale.client import AsyncEngineClient, EngineUnavailable
 from metrale.sampling import SamplingParams
 from metrale.tokenizer import IncrementalDetokenizer, Tokenizer
+from metrale.wire import TokenDelta, TokenLogprob
 
 
 # How `tool_choice` "required" / a named function is enforced: the assistant turn is prefilled
@@ -78,24 +81,22 @@ class ChatPlan:
 @dataclass
 class ChoiceSpec:
     index: int
-    prompt_ids: list[int]
+    prompt_ids: np.ndarray             # int32 (metrale.request.as_token_ids), sent as is
     params: SamplingParams             # validated, n = 1 (what the engine is sent)
     stop: list[str] = field(default_factory=list)
     plan: ChatPlan | None = None
 
 
-@dataclass
-class TokenInfo:
-    token_id: int
-    logprob: float | None
-    top: tuple                         # ((token_id, logprob), ...)
+# a token of a piece of text: (token id, its wire.TokenLogprob from the engine's TokenDelta, or
+# None when the request asked for no logprobs)
+Token = tuple[int, TokenLogprob | None]
 
 
 @dataclass
 class ChoiceText:
     index: int
     text: str
-    tokens: list[TokenInfo]
+    tokens: list[Token]
     events: list | None = None         # parsed ChatEvents (chat plans only)
 
 
@@ -107,7 +108,7 @@ class ChoiceDone:
     num_output_tokens: int
     num_cached_tokens: int
     text: str = ""                     # the final piece (flushed / cut at a stop string)
-    tokens: list[TokenInfo] = field(default_factory=list)
+    tokens: list[Token] = field(default_factory=list)
     events: list | None = None         # the final parsed ChatEvents (chat plans only)
     stop_string: str | None = None     # the stop string that ended the output, if one did
     num_calls: int = 0                 # tool calls in the whole choice
@@ -165,7 +166,7 @@ class _Choice:
         self.detok = IncrementalDetokenizer(tokenizer, spec.prompt_ids,
                                             keep_special=_marker_ids(tokenizer, spec.plan))
         self.stops = StopMatcher(spec.stop)
-        self.pending: list[tuple[TokenInfo, int]] = []   # tokens whose text is held back
+        self.pending: list[tuple[Token, int]] = []   # tokens whose text is held back
         self.produced = 0      # chars out of the detokenizer
         self.emitted = 0       # chars released to the client
         self.num_tokens = 0    # tokens consumed (usage counts these)
@@ -190,16 +191,14 @@ class _Choice:
         self.num_calls += sum(isinstance(e, ToolCallStart) for e in events)
         return events
 
-    def feed(self, delta) -> tuple[str, list[TokenInfo], bool]:
+    def feed(self, delta: TokenDelta) -> tuple[str, list[Token], bool]:
         text, stopped = "", False
         lps = delta.logprobs
         for i, tid in enumerate(delta.token_ids):
-            lp = lps[i] if i < len(lps) else None
-            info = TokenInfo(tid, lp[0] if lp else None, tuple(lp[1]) if lp else ())
             self.num_tokens += 1
             piece = self.detok.add(tid)
             self.produced += len(piece)
-            self.pending.append((info, self.produced))
+            self.pending.append(((tid, lps[i] if i < len(lps) else None), self.produced))
             out, stopped = self.stops.feed(piece)
             text += out
             self.emitted += len(out)
@@ -207,13 +206,13 @@ class _Choice:
                 break
         return text, self._release(everything=stopped), stopped
 
-    def finish(self) -> tuple[str, list[TokenInfo], bool]:
+    def finish(self) -> tuple[str, list[Token], bool]:
         out, stopped = self.stops.feed(self.detok.flush())
         if not stopped:
             out += self.stops.flush()
         return out, self._release(everything=True), stopped
 
-    def _release(self, everything: bool) -> list[TokenInfo]:
+    def _release(self, everything: bool) -> list[Token]:
         if everything:
             done, self.pending = self.pending, []
         else:

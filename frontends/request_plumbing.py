@@ -22,7 +22,7 @@ from metrale.chat import ChatTemplateError, normalize_messages
 from metrale.client import EngineUnavailable
 from metrale.grammar import (GrammarError, ToolGrammarPlan, grammar_for_response_format,
                              tool_call_grammar, wants_tool_grammar)
-from metrale.request import ContextLengthExceeded, check_context_length
+from metrale.request import ContextLengthExceeded, as_token_ids, check_context_length
 from metrale.sampling import apply_generation_defaults
 
 DONE = b"data: [DONE]\n\n"
@@ -227,8 +227,9 @@ def choice_specs(worker: Worker, greq: schema.GenerationParams, prompts: list[li
     _check_num_choices(info, len(prompts) * greq.n)
     specs = []
     for p, ids in enumerate(prompts):
-        if not ids:
+        if not len(ids):
             raise errors.invalid("the prompt is empty (0 tokens)", param)
+        ids = as_token_ids(ids)     # the type it has from here to the scheduler
         max_tokens = greq.max_tokens if greq.max_tokens is not None else limit - len(ids)
         if max_tokens_cap:
             max_tokens = min(max_tokens, max_tokens_cap)

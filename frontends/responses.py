@@ -238,9 +238,9 @@ class _Run:
         if not deltas or not tokens:
             return
         text = self.worker.tokenizer.decode
-        lps = [schema.chat_logprob(text([t.token_id]), t.logprob,
-                                   [(text([i]), lp) for i, lp in t.top])
-               for t in tokens if t.logprob is not None]
+        lps = [schema.chat_logprob(text([tid]), lp.logprob,
+                                   [(text([i]), x) for i, x in lp.top_logprobs])
+               for tid, lp in tokens if lp is not None]
         deltas[-1]["logprobs"] = lps
         item = next(i for i in self.builder.output if i["id"] == deltas[-1]["item_id"])
         item["content"][0]["logprobs"] += _copy(lps)

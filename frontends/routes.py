@@ -47,7 +47,7 @@ import asyncio
 import time
 import uuid
 
-from frontends.generate import ChoiceDone, TokenInfo
+from frontends.generate import ChoiceDone, Token
 from frontends.request_plumbing import (GenerateRoute, Resource, check_ids, choice_specs,
                                         encode_prompt, json_response, prepare_chat,
                                         render_chat)
@@ -155,12 +155,12 @@ class _Format:
 class ChatFormat(_Format):
     prefix = "chatcmpl"
 
-    def _logprobs(self, tokens: list[TokenInfo]) -> list[dict] | None:
+    def _logprobs(self, tokens: list[Token]) -> list[dict] | None:
         if self.greq.logprobs is None:
             return None
-        return [schema.chat_logprob(self.token_text(t.token_id), t.logprob,
-                                    [(self.token_text(i), lp) for i, lp in t.top])
-                for t in tokens if t.logprob is not None]
+        return [schema.chat_logprob(self.token_text(tid), lp.logprob,
+                                    [(self.token_text(i), x) for i, x in lp.top_logprobs])
+                for tid, lp in tokens if lp is not None]
 
     def start_chunks(self, specs):
         for s in specs:
@@ -239,16 +239,17 @@ class CompletionFormat(_Format):
         prompt = self.prompts[index // self.greq.n]
         return prompt if isinstance(prompt, str) else self.worker.tokenizer.decode(prompt)
 
-    def _logprobs(self, index: int, tokens: list[TokenInfo], lead: str = "") -> dict | None:
+    def _logprobs(self, index: int, tokens: list[Token], lead: str = "") -> dict | None:
         if self.greq.logprobs is None:
             return None
         offset = self.offsets.get(index, 0) + len(lead)
         out = schema.completion_logprobs([], [], [], [])
-        for t in tokens:
-            text = self.token_text(t.token_id)
+        for tid, lp in tokens:
+            text = self.token_text(tid)
             out["tokens"].append(text)
-            out["token_logprobs"].append(t.logprob)
-            out["top_logprobs"].append({self.token_text(i): lp for i, lp in t.top})
+            out["token_logprobs"].append(None if lp is None else lp.logprob)
+            out["top_logprobs"].append({} if lp is None else
+                                       {self.token_text(i): x for i, x in lp.top_logprobs})
             out["text_offset"].append(offset)
             offset += len(text)
         self.offsets[index] = offset

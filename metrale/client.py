@@ -238,9 +238,8 @@ class AsyncEngineClient:
         self.queues[request_id] = q
         finished = False
         try:
-            msg = wire.encode(wire.Submit(request_id, self.frontend_id,
-                                          tuple(prompt_token_ids), sampling_params,
-                                          self.load_id))
+            msg = wire.encode(wire.Submit(request_id, self.frontend_id, prompt_token_ids,
+                                          sampling_params, self.load_id))
             try:
                 async with asyncio.timeout(self.control_timeout_s):
                     await self.push.send_multipart(msg)

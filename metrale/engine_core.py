@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from metrale.backends import make_ops
 from metrale.backends.profiling import ProfiledOps
@@ -28,30 +28,12 @@ from metrale.runner import ModelRunner, SampledToken
 from metrale.sampling import pick_engine_seed
 from metrale.scheduler import Scheduler
 from metrale.spec import make_speculation
+from metrale.wire import TokenDelta, TokenLogprob
 
 log = logging.getLogger("metrale.engine_core")
 
 _CPU_KV_BUDGET_MB = 1024  # default KV pool on the CPU backend when no size is given
 PROFILE_REPORT_STEPS = 256  # --profile logs the per-op times this often
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What one step produced for one request (a delta, not the whole text)."""
-    request_id: str
-    new_token_ids: list[int] = field(default_factory=list)
-    new_logprobs: list[SampledToken] = field(default_factory=list)
-    finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_verifies: int = 0           # speculative decoding: verify steps, drafts, accepted
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass
@@ -91,16 +73,15 @@ class EngineCore:
         self.config.check_backend(self.ops.name)
         if self.config.profile:     # --profile: every op timed (CUDA graphs stay off)
             self.ops = ProfiledOps(self.ops)
-        if self.ops.name == "cuda":
-            # The engine's kernels run on one stream of their own (graphs cannot be captured on
-            # the legacy default stream). It is a blocking stream, so work that callers put on
-            # the legacy stream (tests, tools) stays ordered with it.
-            self.stream = self.ops.cp.cuda.Stream(non_blocking=False)
-            self.stream.use()
+        # The engine's kernels run on one stream of their own (graphs cannot be captured on
+        # the legacy default stream); a no-op on the host.
+        self.device = self.ops.device
+        self.stream = self.device.new_stream()
+        self.stream.use()
         self.model = build_model(ckpt, self.ops, mtp=_mtp_mode(self.config))
         spec = self._kv_spec(self.model.cache_spec())
         self.hybrid = bool(spec.gdn_layers)
-        self.speculation = make_speculation(self.config, self.model, self.ops.name == "cuda")
+        self.speculation = make_speculation(self.config, self.model, self.device.accelerator)
         self.ssm_dtype = ssm_pool_dtype(self.config.ssm_h_dtype)
         num_slots = max(1, Scheduler.num_state_slots_needed(self.config, self.hybrid))
         # past the scheduler's rows: one spare (padding rows of captured decode graphs write
@@ -118,26 +99,13 @@ class EngineCore:
         self.swap = SwapSpace.for_caches(self.caches, self.config.swap_space_gb)
         self._num_blocks, self._num_slots = num_blocks, num_slots
         self.scheduler = self._new_scheduler()
-        self.runner = ModelRunner(self.model, self.ops, self.caches, self.config.block_size,
-                                  seed=self.seed,
-                                  verify_rows=range(num_slots + 1, num_slots + 1 + num_verify))
-        if self.speculation is not None:
-            # a drafter with caches of its own (the MTP head's KV) sizes them like the main pool;
-            # one that reads the target's hidden states has the runner keep them
-            self.speculation.give_scratch(range(num_blocks + 1, num_blocks + 1 + num_scratch),
-                                          self.runner.verify_rows)
-            self.runner.keep_hidden = self.speculation.bind(self.caches, self.ops)
-        self.runner.swap = self.swap
+        self.runner = self._new_runner(num_blocks, num_slots, num_verify, num_scratch)
         self.eos_token_ids: frozenset[int] = frozenset()
         self.grammars: Grammars | None = None   # structured output: set by use_tokenizer
         self._grammar_problem: str | None = None   # why use_tokenizer left it unset
         self.last_step: StepStats | None = None
         self.num_steps = 0
-        if self.ops.name == "cuda":
-            self._setup_cuda(num_blocks, num_slots)
-        elif self.config.prefill_graphs == "on":     # the default: not news on the CPU
-            log.debug("--prefill-graphs: CUDA graphs need the CUDA backend; ignored on %s", self.ops.name)
-        if self.config.warmup == "on" or (self.config.warmup == "auto" and self.ops.name == "cuda"):
+        if self.config.warmup == "on" or (self.config.warmup == "auto" and self.device.accelerator):
             self._warm_up()
         log.info("engine seed %d (%s)", self.seed,
                  "--seed" if self.config.seed is not None else "from the OS; --seed N repeats a run")
@@ -163,69 +131,27 @@ class EngineCore:
         log.info("KV cache %s: %s", cfg.kv_cache_dtype, spec.describe_kv(cfg.block_size, self.ops.dtype))
         return spec
 
-    def _setup_cuda(self, num_blocks: int, num_slots: int) -> None:
-        from metrale.backends.cuda.graphs import DecodeGraphs
-        from metrale.backends.cuda.sampling import GpuSampler
-
+    def _new_runner(self, num_blocks: int, num_slots: int, num_verify: int,
+                    num_scratch: int) -> ModelRunner:
+        """The runner with every collaborator it uses: the swap space, the drafter's binding,
+        the device's sampler and captured graphs (none on the CPU backend)."""
         cfg = self.config
-        verify = self.speculation.verify_rows if self.speculation else 0
-        self.runner.gpu_sampler = GpuSampler(
-            self.ops, self.model.vocab_size, max_batch=cfg.max_batch_size + verify,
-            num_slots=max(cfg.max_batch_size, num_slots), seed=self.seed)
-        if cfg.profile:
-            log.info("--profile: CUDA graphs off, kernels run eagerly")
-            return
-        graphs = DecodeGraphs(self.model, self.ops, self.caches, cfg.max_batch_size,
-                              max_blocks_per_seq=-(-cfg.max_seq_len // cfg.block_size),
-                              spare_block=num_blocks, spare_slot=num_slots)
-        graphs.capture()
-        self.runner.graphs = graphs
-        log.info("captured %d decode graphs (batch buckets %s); graph memory pool %.1f MiB; "
-                 "programmatic dependent launch %s", len(graphs.graphs), sorted(graphs.graphs),
-                 graphs.pool.total_bytes() / 2**20, "on" if graphs.pdl else "off")
-        if cfg.prefill_graphs == "on":
-            self._setup_step_graphs(graphs, num_blocks, num_slots)
+        verify_rows = range(num_slots + 1, num_slots + 1 + num_verify)
+        keep_hidden = False
         if self.speculation is not None:
-            self._setup_step_graphs(graphs, num_blocks, num_slots, verify=True)
-            self.speculation.capture_graphs(graphs)     # a drafter's own forwards (the MTP head)
-
-    def _setup_step_graphs(self, decode_graphs, num_blocks: int, num_slots: int,
-                           verify: bool = False) -> None:
-        """--prefill-graphs on: capture prefill / mixed steps per token bucket (metrale.backends.cuda.graphs
-        StepGraphs) when every layer of the model allows it; out of memory while capturing, they
-        stay off (the steps run eagerly) and the log says so. `verify`: the speculative verify
-        steps' graphs (VERIFY_BUCKETS), whatever --prefill-graphs says."""
-        from metrale.backends.cuda.graphs import StepGraphs, step_graph_support
-
-        cfg = self.config
-        what = "verify" if verify else "prefill"
-        why = step_graph_support(self.model)
-        if why is not None:
-            log.info("%s graphs: off for this model (%s); those steps run eagerly", what, why)
-            return
-        t0 = time.perf_counter()
-        oom = None
-        try:
-            steps = StepGraphs(self.model, self.ops, self.caches, cfg.max_prefill_tokens,
-                               cfg.max_batch_size, -(-cfg.max_seq_len // cfg.block_size),
-                               spare_block=num_blocks, spare_slot=num_slots,
-                               pool=decode_graphs.pool, stream=decode_graphs.stream, verify=verify)
-            steps.capture()
-        except self.ops.cp.cuda.memory.OutOfMemoryError as e:
-            oom = str(e)
-        if oom is not None:     # outside the except: its traceback no longer pins the partial capture
-            steps = None
-            decode_graphs.pool.free_all_blocks()     # what the partial capture held, back to the device
-            log.warning("%s graphs: out of memory while capturing (%s); those steps run "
-                        "eagerly (lower --max-prefill-tokens or --gpu-memory-utilization)", what, oom)
-            return
-        if verify:
-            self.runner.verify_graphs = steps
-        else:
-            self.runner.step_graphs = steps
-        log.info("captured %d %s graphs (token buckets %s), %.2f s; graph memory pool now "
-                 "%.1f MiB", len(steps.graphs), what, sorted(steps.graphs), time.perf_counter() - t0,
-                 decode_graphs.pool.total_bytes() / 2**20)
+            # a drafter with caches of its own (the MTP head's KV) sizes them like the main pool;
+            # one that reads the target's hidden states has the runner keep them
+            self.speculation.give_scratch(range(num_blocks + 1, num_blocks + 1 + num_scratch),
+                                          verify_rows)
+            keep_hidden = self.speculation.bind(self.caches, self.ops)
+        sampler = self.ops.device_sampler(
+            self.model.vocab_size, max_batch=cfg.max_batch_size + num_verify,
+            num_slots=max(cfg.max_batch_size, num_slots), seed=self.seed)
+        graphs = self.ops.capture_graphs(self.model, self.caches, cfg, spare_block=num_blocks,
+                                         spare_slot=num_slots, speculation=self.speculation)
+        return ModelRunner(self.model, self.ops, self.caches, cfg.block_size, seed=self.seed,
+                           verify_rows=verify_rows, swap=self.swap, graphs=graphs,
+                           gpu_sampler=sampler, keep_hidden=keep_hidden)
 
     def _new_scheduler(self) -> Scheduler:
         return Scheduler(self.config, num_kv_blocks=self._num_blocks,
@@ -249,10 +175,8 @@ class EngineCore:
         from metrale.sampling import SamplingParams
 
         cfg = self.config
-        cp = self.ops.cp if self.ops.name == "cuda" else None
-        pool = cp.get_default_memory_pool() if cp is not None else None
-        grown_from = pool.total_bytes() if pool is not None else 0
-        oom = (cp.cuda.memory.OutOfMemoryError,) if cp is not None else ()
+        device = self.device
+        grown_from = device.pool_bytes()
         t0 = time.perf_counter()
         seeds = self.runner.seed_state()
         vocab = int(self.model.vocab_size)
@@ -267,9 +191,8 @@ class EngineCore:
                               seed=0, logprobs=2, ignore_eos=True).validate()
         try:
             self._warm_up_steps(lengths, vocab, mixed=room > nseq, greedy=greedy, full=full)
-            if cp is not None:
-                cp.cuda.get_current_stream().synchronize()
-        except oom as e:
+            self.stream.synchronize()
+        except device.out_of_memory as e:
             raise MemoryError(
                 f"the activations of a {cfg.max_prefill_tokens}-token prefill step do not fit on "
                 f"the GPU next to the KV pool ({e}): lower --max-prefill-tokens or "
@@ -279,7 +202,7 @@ class EngineCore:
         if self.config.profile:
             self.ops.reset()
         self.last_step, self.num_steps = None, 0
-        pool_now = pool.total_bytes() if pool is not None else 0
+        pool_now = device.pool_bytes()
         log.info("warm-up: %d prefill tokens in %d sequences and a mixed step, %.2f s; "
                  "activation pool %.1f MiB (grew %.1f MiB)", sum(lengths), len(lengths),
                  time.perf_counter() - t0, pool_now / 2**20, (pool_now - grown_from) / 2**20)
@@ -309,18 +232,19 @@ class EngineCore:
         if self.speculation is not None:    # a drafter's own KV per block (the MTP head's)
             per_block += self.speculation.kv_bytes_per_block(cfg.block_size, self.ops.dtype)
         wanted = cfg.max_batch_size * -(-cfg.max_seq_len // cfg.block_size)
-        if self.ops.name == "cpu":
+        memory = self.device.memory_info()
+        if memory is None:      # the host: a fixed budget
             budget = (cfg.kv_cache_memory_mb or _CPU_KV_BUDGET_MB) * 2**20
         else:
-            budget = self._gpu_kv_budget(spec, num_slots)
+            budget = self._gpu_kv_budget(spec, num_slots, memory)
         return max(2, min(wanted, budget // per_block))
 
-    def _gpu_kv_budget(self, spec, num_slots: int) -> int:
+    def _gpu_kv_budget(self, spec, num_slots: int, memory: tuple[int, int]) -> int:
         """Bytes left for the KV pool: --gpu-memory-utilization of the card, less what the
         weights already hold, the GDN state pool and --oom-guard-mb (activations, graphs,
         sampler)."""
         cfg = self.config
-        free, total = self.ops.cp.cuda.runtime.memGetInfo()
+        free, total = memory
         state = (num_slots + 1) * spec.state_bytes_per_slot(self.ops.dtype, self.ssm_dtype)
         # (num_slots counts the verify rows of speculative decoding too)
         budget = int(total * cfg.gpu_memory_utilization) - (total - free) - state \
@@ -340,14 +264,7 @@ class EngineCore:
         hot swap builds new ops; the old handles would leak)."""
         if self.swap is not None:
             self.swap.close()
-        handle = getattr(self.ops, "_cublas", None)
-        if handle is not None:
-            self.ops._cublas = None
-            try:
-                self.ops.cp.cuda.runtime.deviceSynchronize()
-                handle.close()
-            except Exception as e:  # noqa: BLE001 - a broken context: nothing left to give back
-                log.warning("closing the cuBLAS handles: %s", e)
+        self.ops.close()
 
     def use_tokenizer(self, tokenizer) -> None:
         """The serving tokenizer: its EOS ids end requests, and constrained requests' grammars
@@ -368,8 +285,10 @@ class EngineCore:
 
     def add_request(self, req: Request) -> None:
         """Queue a request; raises ValueError when it can never run (too long, bad params).
-        Its sampler state (random generator) is set up here, so a request that cannot have one
-        is refused alone instead of failing a step."""
+        Its sampling parameters are validated here, for every caller (the server's Submits, the
+        offline API), and its sampler state (random generator) set up, so a request that cannot
+        have one is refused alone instead of failing a step."""
+        req.sampling_params.validate()
         if not req.eos_token_ids and self.eos_token_ids:
             req.eos_token_ids = self.eos_token_ids
         self.runner.admit(req)
@@ -385,7 +304,7 @@ class EngineCore:
             self._release(req.request_id)
             raise
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(self, request_id: str) -> TokenDelta | None:
         req = self.scheduler.abort_request(request_id)
         if req is None:
             return None
@@ -404,16 +323,14 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     # -- the step ---------------------------------------------------------------------------
-    def step(self, on_launch=None) -> list[RequestOutput]:
+    def step(self, on_launch=None) -> list[TokenDelta]:
         """One step. `on_launch()`, when given, runs once inside it while the GPU works on the
         step (see ModelRunner.execute): the serving loop publishes the previous step's tokens
         there, so that host work overlaps the device's instead of following it."""
-        if self.ops.name == "cuda":
-            with self.stream:
-                return self._step(on_launch)
-        return self._step(on_launch)
+        with self.stream:
+            return self._step(on_launch)
 
-    def _step(self, on_launch=None) -> list[RequestOutput]:
+    def _step(self, on_launch=None) -> list[TokenDelta]:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         grammars = self.grammars if self.grammars is not None and self.grammars.states else None
@@ -454,23 +371,31 @@ class EngineCore:
         return list(outputs.values())
 
     @staticmethod
-    def _output(req: Request, tok: SampledToken | None, num_new: int | None = None) -> RequestOutput:
-        """`num_new`: tokens the step appended (a verify emits several; a stop among them
-        cuts the rest); None = `tok` alone."""
+    def _output(req: Request, tok: SampledToken | None, num_new: int | None = None) -> TokenDelta:
+        """What the step produced for `req` (the wire's TokenDelta, published as is).
+        `num_new`: tokens the step appended (a verify emits several; a stop among them cuts the
+        rest); None = `tok` alone."""
         if tok is None:
-            toks = []
-        elif tok.accepted is None:
-            toks = [tok]
+            ids, lps = (), ()
+        elif tok.accepted is None:      # the common case, without building sequences
+            ids = (tok.token_id,)
+            lps = () if tok.logprob is None else \
+                (TokenLogprob(tok.logprob, tuple(tok.top_logprobs or ())),)
         else:
             toks = [*tok.accepted, tok][:num_new]
-        return RequestOutput(
+            ids = tuple(t.token_id for t in toks)
+            lps = tuple(TokenLogprob(t.logprob, tuple(t.top_logprobs or ()))
+                        for t in toks if t.logprob is not None)
+        return TokenDelta(
             req.request_id,
-            [t.token_id for t in toks],
-            [t for t in toks if t.logprob is not None],
+            ids,
             req.finish_reason if req.is_finished else None,
             req.num_prompt_tokens,
             len(req.output_token_ids),
             req.num_cached_tokens,
+            lps,
+            None,
+            0,
             req.num_verifies,
             req.num_draft_tokens,
             req.num_accepted_tokens,

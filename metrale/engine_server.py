@@ -41,7 +41,7 @@ import zmq
 from metrale import levers
 from metrale import store as stored
 from metrale import wire
-from metrale.engine_core import EngineCore, RequestOutput
+from metrale.engine_core import EngineCore
 from metrale.events import ADDRESSES_FILE, Journal
 from metrale.metrics import EngineMetrics
 from metrale.ratelimit import RateLimiter
@@ -100,7 +100,7 @@ class EngineServer:
         self.running = True
         self._log_steps = log.isEnabledFor(logging.DEBUG)   # each step's size and time
         # the last step's outputs, published during the next step (see _step)
-        self._unpublished: list[RequestOutput] | None = None
+        self._unpublished: list[wire.TokenDelta] | None = None
         self._on_submitted = {wire.Submit: self._submit, wire.Abort: self._on_abort,
                               wire.Heartbeat: self._heartbeat}
         self._on_control = {wire.HealthCheck: self._health, wire.ModelInfoQuery: self._model_info,
@@ -302,9 +302,10 @@ class EngineServer:
             return self._refuse(msg, 503, f"the served model changed to {self.model_info.name}"
                                           " since this request was tokenized; retry")
         try:
-            params = msg.sampling_params.validate()   # the frontend may be another host's
-            # the queue limit (429), the context length and the deadline: Scheduler.add_request
-            self.core.add_request(Request(msg.request_id, list(msg.prompt_token_ids), params))
+            # the parameters (400), the queue limit (429), the context length and the deadline:
+            # EngineCore.add_request and Scheduler.add_request
+            self.core.add_request(Request(msg.request_id, msg.prompt_token_ids,
+                                          msg.sampling_params))
         except QueueFull as e:
             return self._refuse(msg, 429, str(e))
         except ValueError as e:
@@ -343,9 +344,10 @@ class EngineServer:
                 self.journal.sync()
 
     # -- publishing -------------------------------------------------------------------------
-    def _publish(self, outputs: list[RequestOutput], reason: str | None = None) -> None:
-        """A step's outputs to their frontends; in the journal the step's TokensEmitted comes
-        before the RequestFinished of any request it ended."""
+    def _publish(self, outputs: list[wire.TokenDelta], reason: str | None = None) -> None:
+        """A step's outputs (EngineCore's TokenDeltas, sent as they are) to their frontends; in
+        the journal the step's TokensEmitted comes before the RequestFinished of any request it
+        ended."""
         by_frontend: dict[str, list[wire.TokenDelta]] = {}
         now = time.monotonic()
         counts = {}
@@ -354,12 +356,12 @@ class EngineServer:
             live = self.live.get(out.request_id)
             if live is None:
                 continue
-            if out.new_token_ids:
-                counts[out.request_id] = len(out.new_token_ids)
+            if out.token_ids:
+                counts[out.request_id] = len(out.token_ids)
                 if live.first_token_at is None:
                     live.first_token_at = now
                     self.metrics.first_token(now - live.arrival)
-            by_frontend.setdefault(live.frontend_id, []).append(_delta(out))
+            by_frontend.setdefault(live.frontend_id, []).append(out)
             if out.finished:
                 ended.append((out, live))
         if counts:
@@ -375,7 +377,7 @@ class EngineServer:
         frames = wire.encode(wire.StepOutput(frontend_id, tuple(deltas)))
         self.out.send_multipart([frontend_id.encode(), *frames])
 
-    def _finished(self, out: RequestOutput, live: _Live, now: float, reason: str | None) -> None:
+    def _finished(self, out: wire.TokenDelta, live: _Live, now: float, reason: str | None) -> None:
         del self.live[out.request_id]
         ttft = None if live.first_token_at is None else live.first_token_at - live.arrival
         elapsed = now - live.arrival
@@ -521,15 +523,6 @@ class EngineServer:
 
     def drain_control(self) -> None:
         self._drain_control()
-
-
-def _delta(out: RequestOutput) -> wire.TokenDelta:
-    lps = out.new_logprobs
-    if lps:     # per request per step: no generator for the common case of no logprobs
-        lps = tuple((lp.logprob, tuple(lp.top_logprobs or ())) for lp in lps if lp.logprob is not None)
-    return wire.TokenDelta(out.request_id, tuple(out.new_token_ids), out.finish_reason,
-                           out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens,
-                           lps or ())
 
 
 def default_journal_dir() -> str:

@@ -289,7 +289,7 @@ def generate(core, prompts: list[list[int]], max_tokens: int, tag: str) -> list[
     while core.has_unfinished():
         for o in core.step():
             if o.request_id in out:
-                out[o.request_id].extend(o.new_token_ids)
+                out[o.request_id].extend(o.token_ids)
     return [out[rid] for rid in ids]
 
 

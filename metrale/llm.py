@@ -16,9 +16,9 @@ from metrale.config import EngineConfig
 from metrale.engine_core import EngineCore
 from metrale.models.loader import load_checkpoint
 from metrale.request import Request
-from metrale.runner import SampledToken
 from metrale.sampling import SamplingParams, apply_generation_defaults
 from metrale.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+from metrale.wire import TokenLogprob
 
 
 @dataclass
@@ -27,7 +27,7 @@ class GenerationResult:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
-    logprobs: list[SampledToken] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)   # per token, when asked
     num_cached_tokens: int = 0
 
 
@@ -95,10 +95,9 @@ class LLM:
         detoks: dict[str, IncrementalDetokenizer] = {}
         order = []
         for toks, p in zip(token_lists, params):
-            p.validate()
-            for _ in range(p.n):
+            for _ in range(p.n):       # EngineCore.add_request validates p
                 rid = f"llm-{next(self._ids)}"
-                self.core.add_request(Request(rid, list(toks), p))
+                self.core.add_request(Request(rid, toks, p))
                 results[rid] = GenerationResult(prompt_token_ids=list(toks))
                 if self.tokenizer is not None:
                     detoks[rid] = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
@@ -108,11 +107,11 @@ class LLM:
                 res = results.get(out.request_id)
                 if res is None:
                     continue
-                res.token_ids.extend(out.new_token_ids)
-                res.logprobs.extend(lp for lp in out.new_logprobs if lp.logprob is not None)
+                res.token_ids.extend(out.token_ids)
+                res.logprobs.extend(out.logprobs)
                 detok = detoks.get(out.request_id)
                 if detok is not None:
-                    res.text += detok.add(out.new_token_ids)
+                    res.text += detok.add(out.token_ids)
                 res.num_cached_tokens = out.num_cached_tokens
                 if out.finished:
                     res.finish_reason = out.finish_reason

@@ -12,7 +12,24 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from metrale.sampling import SamplingParams
+
+
+def as_token_ids(ids) -> np.ndarray:
+    """A prompt's token ids as the one type they have from the frontend to the scheduler: a 1-D
+    int32 numpy array (one already is passes through uncopied; the wire's int32 frame decodes to
+    one without a copy). ValueError for ids that are not integers of int32's range."""
+    if type(ids) is np.ndarray and ids.dtype == np.int32 and ids.ndim == 1:
+        return ids
+    try:
+        out = np.asarray(ids, dtype=np.int32)
+    except (OverflowError, TypeError) as e:
+        raise ValueError(f"token ids must be integers in [0, 2^31): {e}") from None
+    if out.ndim != 1:
+        raise ValueError(f"token ids must be a flat sequence, got shape {out.shape}")
+    return out
 
 
 class ContextLengthExceeded(ValueError):
@@ -54,7 +71,7 @@ class RequestStatus(enum.Enum):
 @dataclass(eq=False)
 class Request:
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: np.ndarray                # int32 [num_prompt_tokens] (as_token_ids)
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.monotonic)
@@ -80,11 +97,14 @@ class Request:
     num_accepted_tokens: int = 0                             # of them, accepted
     last_verify: tuple[int, int] | None = None               # (drafts, accepted) of the last one
 
+    def __post_init__(self):
+        self.prompt_token_ids = as_token_ids(self.prompt_token_ids)
+
     @property
     def all_token_ids(self) -> list[int]:
         """The model's context: prompt + output, minus what compaction dropped (the tokens the
         KV cache and GDN state describe, position i holding all_token_ids[i])."""
-        tokens = self.prompt_token_ids + self.output_token_ids
+        tokens = self.prompt_token_ids.tolist() + self.output_token_ids
         if self.num_dropped_tokens:
             del tokens[self.num_sink_tokens: self.num_sink_tokens + self.num_dropped_tokens]
         return tokens

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from metrale._hot.pack import pack_batch, sample_inputs
+from metrale.backends.base import EngineGraphs
 from metrale.forward import ForwardBatch
 from metrale.sampling import Sampler, make_generator
 from metrale.thinking_budget import force_thinking_close
@@ -34,8 +35,16 @@ class SampledToken:
 
 
 class ModelRunner:
+    """Built with every collaborator it uses (EngineCore._new_runner); nothing is set later.
+    `swap`: metrale.cache.swap.SwapSpace when --swap-space-gb > 0; `graphs`: the captured
+    forwards it replays (base.EngineGraphs: decode, step, verify; CUDA only); `gpu_sampler`: the
+    device's sampler (metrale.backends.cuda.sampling.GpuSampler; None samples on the host);
+    `keep_hidden`: a drafter reads the target's hidden states (the MTP head)."""
+
     def __init__(self, model, ops, caches, block_size: int, seed: int = 0,
-                 verify_rows: range = range(0)):
+                 verify_rows: range = range(0), *, swap=None, graphs: EngineGraphs | None = None,
+                 gpu_sampler=None, keep_hidden: bool = False):
+        graphs = graphs if graphs is not None else EngineGraphs()
         self.model = model
         self.ops = ops
         self.caches = caches
@@ -44,11 +53,11 @@ class ModelRunner:
         self._seed = seed
         self._num_generators_made = 0
         self._generators: dict[str, np.random.Generator] = {}
-        self.swap = None            # metrale.cache.swap.SwapSpace when --swap-space-gb > 0
-        self.graphs = None          # metrale.backends.cuda.graphs.DecodeGraphs on the CUDA backend
-        self.step_graphs = None     # metrale.backends.cuda.graphs.StepGraphs (--prefill-graphs on)
-        self.verify_graphs = None   # StepGraphs(verify=True): speculative verify steps
-        self.gpu_sampler = None     # metrale.backends.cuda.sampling.GpuSampler on CUDA
+        self.swap = swap
+        self.graphs = graphs.decode         # metrale.backends.cuda.graphs.DecodeGraphs
+        self.step_graphs = graphs.step      # StepGraphs (--prefill-graphs on)
+        self.verify_graphs = graphs.verify  # StepGraphs(verify=True): speculative verify steps
+        self.gpu_sampler = gpu_sampler
         self._sampler_slot: dict[str, int] = {}
         # GDN state-pool rows a verify step keeps its window's states in (metrale.spec)
         self.verify_rows = verify_rows
@@ -56,7 +65,7 @@ class ModelRunner:
         # a drafter that reads the target's hidden states (the MTP head): every forward leaves
         # (host batch, hidden [T, H]) here (a replayed graph's hidden rows, or an eager
         # model.forward_with_hidden's)
-        self.keep_hidden = False
+        self.keep_hidden = keep_hidden
         self.last_forward = None
 
     # -- per-request state ----------------------------------------------------------------

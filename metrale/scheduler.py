@@ -286,9 +286,9 @@ class Scheduler:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         if n == 0:
             raise ValueError("the prompt is empty")
-        check_context_length(n, limit)
-        if req.sampling_params.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {req.sampling_params.max_tokens}")
+        check_context_length(n, limit)     # its one home: metrale.request
+        # the sampling parameters' rules (max_tokens >= 1, ...): SamplingParams.validate, applied
+        # at admission by EngineCore.add_request
         if self._num_blocks(n + 1) > self.block_pool.num_blocks:
             raise ValueError(f"the prompt has {n} tokens, more than the KV cache holds "
                              f"({self.block_pool.num_blocks} blocks of {self.block_size}): "

@@ -46,6 +46,7 @@ from typing import Callable
 import zmq
 
 from metrale import levers, wire
+from metrale.backends.base import EngineGraphs
 
 log = logging.getLogger("metrale.swap")
 
@@ -216,42 +217,29 @@ def release(core) -> Callable[[], None]:
     the H200: +24 GB per 9B swap). `reclaim()` collects, then on CUDA gives the graphs' memory
     pools and CuPy's cached blocks back, so the next model starts from the memory the process
     had before."""
-    cuda = core.ops.cp if core.ops.name == "cuda" else None
-    pools = [h.pool for h in (core.runner.graphs, core.runner.step_graphs,
-                              core.runner.verify_graphs)
-             if h is not None and getattr(h, "pool", None) is not None]
+    device = core.device
+    pools = EngineGraphs(core.runner.graphs, core.runner.step_graphs,
+                         core.runner.verify_graphs).pools()
     core.close()
-    if cuda is not None:
-        cuda.cuda.runtime.deviceSynchronize()
+    device.synchronize()
     del core
-    return functools.partial(collect, cuda, pools)
+    return functools.partial(collect, device, pools)
 
 
-def collect(cuda=None, pools=()) -> None:
-    """Collect unreachable objects (a model is a graph of cycles), then hand CuPy's cached
-    blocks back to the device (`cuda`: the cupy module, None on the CPU backend)."""
+def collect(device=None, pools=()) -> None:
+    """Collect unreachable objects (a model is a graph of cycles), then hand the device's cached
+    blocks back (`device`: the released engine's, metrale.backends.base.Device; None: none)."""
     gc.collect()
-    if cuda is None:
-        return
-    for pool in pools:
-        pool.free_all_blocks()
-    cuda.get_default_memory_pool().free_all_blocks()
-    cuda.get_default_pinned_memory_pool().free_all_blocks()
-    plan_cache = getattr(getattr(cuda, "fft", None), "config", None)
-    if plan_cache is not None:
-        plan_cache.get_plan_cache().clear()
+    if device is not None:
+        device.free_cached(pools)
 
 
 def memory_figures(core) -> dict:
     """What the engine process holds: the device's used bytes and CuPy's pool on CUDA, the
     resident set on every backend."""
     out = {"rss_bytes": _rss_bytes()}
-    if core is not None and core.ops.name == "cuda":
-        cp = core.ops.cp
-        free, total = cp.cuda.runtime.memGetInfo()
-        pool = cp.get_default_memory_pool()
-        out.update(device_used_bytes=int(total - free), device_total_bytes=int(total),
-                   pool_used_bytes=int(pool.used_bytes()), pool_total_bytes=int(pool.total_bytes()))
+    if core is not None:
+        out.update(core.device.memory_figures())
     return out
 
 
@@ -355,7 +343,7 @@ class Swap:
     def _replace(self, old_spec, load_id: int) -> dict:
         """Release the live model, build the target; on failure build the old one again."""
         server = self.server
-        cuda = _cupy_of(server.core)
+        device = server.core.device if server.core is not None else None
         if server.core is not None:
             core, server.core = server.core, None
             reclaim = release(core)
@@ -368,13 +356,13 @@ class Swap:
             return {"ok": True, "load_s": round(time.monotonic() - t0, 3)}
         log.error("swap %d: loading %s failed (%s); restoring %s", self.swap_id,
                   self.target.label, error, old_spec.model)
-        collect(cuda)                 # what the failed build had made
+        collect(device)                 # what the failed build had made
         restore_error = self._build(old_spec, load_id)
         if restore_error is None:
             return {"ok": False, "error": error, "restored": True}
         log.error("swap %d: restoring %s failed too (%s): no model loaded", self.swap_id,
                   old_spec.model, restore_error)
-        collect(cuda)
+        collect(device)
         return {"ok": False, "error": error, "restored": False, "restore_error": restore_error}
 
     def _build(self, spec, load_id: int) -> str | None:
@@ -420,10 +408,6 @@ class Swap:
                        elapsed_s=round(time.monotonic() - self.started, 3),
                        in_flight=len(self.server.live))
         return out
-
-
-def _cupy_of(core):
-    return core.ops.cp if core is not None and core.ops.name == "cuda" else None
 
 
 class LoadingResponder(threading.Thread):

@@ -238,7 +238,8 @@ class IncrementalDetokenizer:
         # e.g. Mistral's [TOOL_CALLS]): the others are dropped by id before decoding
         keep = frozenset(keep_special)
         self._dropped = frozenset(tokenizer.special_token_ids) - keep if skip_special_tokens and keep else None
-        self._ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]) if prompt_ids else []
+        self._ids: list[int] = [int(t) for t in prompt_ids[-PROMPT_CONTEXT_TOKENS:]] \
+            if len(prompt_ids) else []
         self.prefix_offset = 0
         self.read_offset = len(self._ids)
 

@@ -2,9 +2,11 @@
 
 A message is a multipart ZMQ message: [kind, orjson header, *raw frames]. A prompt travels as a
 raw little-endian int32 frame. A StepOutput is one orjson document with each delta as a
-positional list (field order of TokenDelta): at 128 running requests a step's deltas then encode
-in ~0.1 ms, where per-delta dataclass dicts and one frame each took 3.6 ms (the engine's whole
-decode step at that batch is ~2 ms). Messages are frozen dataclasses named for what they are:
+positional list (field order of TokenDelta; its speculative counters only on a request's last
+delta): at 128 running requests a step's deltas then encode in ~0.1 ms, where per-delta
+dataclass dicts and one frame each took 3.6 ms (the engine's whole decode step at that batch is
+~2 ms). TokenDelta is the one type of a step's output for a request: EngineCore.step makes it,
+the engine server publishes it as is, metrale.client hands the decoded one to the frontend. Messages are frozen dataclasses named for what they are:
 commands imperative (Submit, Abort), replies and outputs as nouns.
 
 Sockets (DESIGN.md section 2):
@@ -35,6 +37,7 @@ from typing import NamedTuple
 import numpy as np
 import orjson
 
+from metrale.request import as_token_ids
 from metrale.sampling import GENERATION_CONFIG_FIELDS, SamplingParams
 from metrale.tokenizer import NAMED_SPECIAL_TOKENS
 
@@ -49,11 +52,23 @@ PEER_TIMEOUT_S = 5.0         # silent this long: the other side is gone (see the
 class Submit:
     request_id: str
     frontend_id: str
-    prompt_token_ids: tuple[int, ...]
-    sampling_params: SamplingParams   # built (and validated) by the frontend; the engine checks
-                                      # it again at admission: a frontend may be another host's
+    prompt_token_ids: np.ndarray      # int32, the one type of a prompt (request.as_token_ids)
+    sampling_params: SamplingParams   # built and validated by the frontend; EngineCore.add_request
+                                      # checks it again: a frontend may be another host's
     load_id: int = 0                  # ModelInfo.load_id the frontend tokenized for (0: any); a
                                       # Submit for a model since swapped out is refused (503)
+
+    def __post_init__(self):
+        object.__setattr__(self, "prompt_token_ids", as_token_ids(self.prompt_token_ids))
+
+    def __eq__(self, other):
+        if type(other) is not Submit:
+            return NotImplemented
+        return (self.request_id, self.frontend_id, self.sampling_params, self.load_id) == \
+            (other.request_id, other.frontend_id, other.sampling_params, other.load_id) \
+            and np.array_equal(self.prompt_token_ids, other.prompt_token_ids)
+
+    __hash__ = None
 
 
 @dataclass(frozen=True)
@@ -67,19 +82,35 @@ class Heartbeat:
     frontend_id: str
 
 
+class TokenLogprob(NamedTuple):
+    """A generated token's logprob and its top alternatives ((token_id, logprob), ...)."""
+    logprob: float
+    top_logprobs: tuple = ()
+
+
 class TokenDelta(NamedTuple):
-    """What one engine step produced for one request. A NamedTuple, not a frozen dataclass:
-    frontends build one per request per step, and a frozen dataclass's __init__ costs ~3 us
-    (one object.__setattr__ per field)."""
+    """What one engine step produced for one request (EngineCore.step's output, published and
+    read as is). A NamedTuple, not a frozen dataclass: the engine and every frontend build one
+    per request per step, and a frozen dataclass's __init__ costs ~3 us (one
+    object.__setattr__ per field)."""
     request_id: str
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
-    logprobs: tuple = ()          # per token: (logprob, [(token_id, logprob), ...]) or ()
+    logprobs: tuple[TokenLogprob, ...] = ()   # per token that has one: every token when asked
     error: str | None = None      # set when the engine refused the request (status in `extra`)
     error_status: int = 0
+    # speculative decoding: the request's verify steps, drafts and accepted drafts so far
+    # (the wire carries them on the last delta only: the request log's figures)
+    num_verifies: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass(frozen=True)
@@ -277,23 +308,24 @@ def _dropped(where: str, key: str, value, strict: bool) -> None:
                     where, key, value)
 
 
-def _ids_frame(ids) -> bytes:
-    return np.asarray(ids, dtype="<i4").tobytes()
+def _ids_frame(ids: np.ndarray) -> bytes:
+    return ids.astype("<i4", copy=False).tobytes()
 
 
-def _ids(frame) -> tuple[int, ...]:
-    return tuple(np.frombuffer(frame, dtype="<i4").tolist())
+def _ids(frame) -> np.ndarray:
+    """The int32 frame as a read-only array over the frame's bytes (no copy)."""
+    return np.frombuffer(frame, dtype="<i4").astype(np.int32, copy=False)
 
 
 def encode(msg) -> list[bytes]:
     """Message -> multipart frames."""
     if type(msg) is StepOutput:
-        rows = [(d.request_id, d.token_ids, d.finish_reason, d.num_prompt_tokens,
-                 d.num_output_tokens, d.num_cached_tokens, d.logprobs, d.error, d.error_status)
-                for d in msg.deltas]
-        # OPT_SERIALIZE_NUMPY: a numpy integer id or float logprob from a sampler serialises too
+        # a delta's first 9 fields; all 12 on a speculating request's last one
+        rows = [d[:9] if d[2] is None or not d[9] else d[:] for d in msg.deltas]
+        # OPT_SERIALIZE_NUMPY: a numpy integer id or float logprob from a sampler serialises
+        # too; default=tuple: a TokenLogprob (a NamedTuple, which orjson does not take) as a list
         return [b"step", orjson.dumps({"frontend_id": msg.frontend_id, "deltas": rows},
-                                      option=orjson.OPT_SERIALIZE_NUMPY)]
+                                      default=tuple, option=orjson.OPT_SERIALIZE_NUMPY)]
     if type(msg) is Submit:
         head = {"request_id": msg.request_id, "frontend_id": msg.frontend_id,
                 "sampling_params": msg.sampling_params.to_dict(), "load_id": msg.load_id}
@@ -315,10 +347,7 @@ def decode(frames: list[bytes]):
             params = SamplingParams.from_dict(head.pop("sampling_params"))
             return Submit(prompt_token_ids=_ids(frames[2]), sampling_params=params, **head)
         if kind == b"step":
-            deltas = tuple(
-                TokenDelta(rid, tuple(ids), finish, n_prompt, n_out, n_cached,
-                           _tuplify(lps) if lps else (), error, status)
-                for rid, ids, finish, n_prompt, n_out, n_cached, lps, error, status in head["deltas"])
+            deltas = _deltas(head["deltas"])
             if not all(isinstance(d.request_id, str) for d in deltas):
                 raise ValueError("a delta's request id is not a string")
             return StepOutput(frontend_id=head["frontend_id"], deltas=deltas)
@@ -332,6 +361,31 @@ def decode(frames: list[bytes]):
 def _tuplify(x):
     """JSON lists back to the tuples the dataclasses hold (deeply)."""
     return tuple(_tuplify(i) if isinstance(i, (list, tuple)) else i for i in x)
+
+
+def _deltas(rows) -> tuple[TokenDelta, ...]:
+    """A StepOutput's positional rows (9 fields, or 12 on a speculating request's last delta)
+    back to TokenDeltas, each row turned into its delta in place: twice as fast as unpacking
+    every row into the constructor's arguments."""
+    out = []
+    for row in rows:
+        n = len(row)
+        if n != 9 and n != 12:
+            raise ValueError(f"a delta has {n} fields, not 9 or 12")
+        row[1] = tuple(row[1])
+        row[6] = _logprobs(row[6]) if row[6] else ()
+        if n == 9:
+            row += _NO_SPEC
+        out.append(_new_tuple(TokenDelta, row))
+    return tuple(out)
+
+
+_NO_SPEC = (0, 0, 0)
+_new_tuple = tuple.__new__
+
+
+def _logprobs(rows) -> tuple[TokenLogprob, ...]:
+    return tuple(TokenLogprob(lp, _tuplify(top)) for lp, top in rows)
 
 
 _SIMPLE = {b"abort": Abort, b"heartbeat": Heartbeat, b"health": HealthCheck,

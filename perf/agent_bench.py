@@ -113,10 +113,10 @@ def run_workload(ckpt, args, prefix: bool) -> dict:
             now = time.perf_counter()
             computed += core.last_step.num_tokens if core.last_step else 0
             for o in step_outputs:
-                if o.new_token_ids and o.request_id not in first:
+                if o.token_ids and o.request_id not in first:
                     first[o.request_id] = now
                     cached += o.num_cached_tokens
-                outputs[o.request_id] += o.new_token_ids
+                outputs[o.request_id] += o.token_ids
         for i, conv in enumerate(convs):
             rid = f"c{i}t{turn}"
             ttft.append(first[rid] - submitted[rid])

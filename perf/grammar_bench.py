@@ -112,7 +112,7 @@ def _steps(core, prompts, params) -> tuple[list[float], int]:
         s0 = time.perf_counter()
         outs = core.step()
         dt = time.perf_counter() - s0
-        tokens += sum(len(o.new_token_ids) for o in outs)
+        tokens += sum(len(o.token_ids) for o in outs)
         st = core.last_step
         if st and st.num_seqs == n and st.num_tokens == n:
             steps.append(dt)

@@ -29,7 +29,7 @@ every decode step after a few warm-up steps, with time.perf_counter around each 
       sample    ModelRunner._sample_gpu: sampler inputs, begin, param packing, results
       prm_pack  of which the sampler's parameter packing (GpuSampler._pack)
     update      Scheduler.update_from_output()
-    step        EngineCore.step() as a whole (also its RequestOutput bookkeeping)
+    step        EngineCore.step() as a whole (also building its TokenDeltas)
 
 Median and p90 per phase in microseconds; JSON into --out (perf/results by default).
 """

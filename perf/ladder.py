@@ -221,7 +221,7 @@ def run_rung(core, conc: int, isl: int, osl: int, vocab: int, rng) -> dict:
         if st and st.num_seqs == conc and st.num_tokens == conc:
             decode_steps.append(now - s0)
         for o in outs:
-            if o.new_token_ids:
+            if o.token_ids:
                 first.setdefault(o.request_id, now)
                 last[o.request_id] = now
     wall = time.perf_counter() - t0

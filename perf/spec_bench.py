@@ -59,7 +59,7 @@ def _run(core, prompts: dict, params, reset_stats=True) -> dict:
     while core.has_unfinished():
         s0 = time.perf_counter()
         for o in core.step():
-            out[o.request_id] += o.new_token_ids
+            out[o.request_id] += o.token_ids
         st = core.last_step
         if st and st.num_seqs == n and st.num_tokens >= n and all(out.values()):
             steps.append((st.num_tokens, time.perf_counter() - s0))

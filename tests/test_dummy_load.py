@@ -32,7 +32,7 @@ def test_dummy_weights_build_and_generate_without_weight_files(arch, tmp_path):
     tokens = []
     while core.has_unfinished():
         for out in core.step():
-            tokens += out.new_token_ids
+            tokens += out.token_ids
     assert len(tokens) == 4
 
 
@@ -67,7 +67,7 @@ def test_dummy_weights_of_a_quantized_folder_come_quantized(quant, fmt, tmp_path
     tokens = []
     while core.has_unfinished():
         for out in core.step():
-            tokens += out.new_token_ids
+            tokens += out.token_ids
     assert len(tokens) == 4
 
 

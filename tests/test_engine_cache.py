@@ -72,7 +72,7 @@ def run(core: EngineCore, waves, max_tokens=6, check=None) -> dict[str, list[int
         while core.has_unfinished():
             for o in core.step():
                 assert o.request_id not in finished
-                tokens[o.request_id] += o.new_token_ids
+                tokens[o.request_id] += o.token_ids
                 assert o.num_output_tokens == len(tokens[o.request_id])
                 if o.finished:
                     finished.add(o.request_id)
@@ -224,7 +224,7 @@ def test_auto_compact_keeps_sink_and_recent_window_past_max_seq_len(arch, checkp
         while core.has_unfinished():
             before = req.num_compactions
             for o in core.step():
-                out_tokens += o.new_token_ids
+                out_tokens += o.token_ids
             if req.num_compactions > before:
                 full = prompt + out_tokens
                 assert req.all_token_ids == full[:8] + full[-8:]

@@ -94,7 +94,7 @@ def test_engine_on_the_gpu_writes_schema_valid_json(tmp_path):
     reasons = {}
     while core.has_unfinished():
         for o in core.step():
-            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            out.setdefault(o.request_id, []).extend(o.token_ids)
             if o.finished:
                 reasons[o.request_id] = o.finish_reason
     for i in range(12):

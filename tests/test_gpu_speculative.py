@@ -62,7 +62,7 @@ def run(core, ps, params):
         core.add_request(Request(rid, list(ids), params))
     while core.has_unfinished():
         for o in core.step():
-            out[o.request_id] += o.new_token_ids
+            out[o.request_id] += o.token_ids
         core.scheduler.check_integrity()
     return out
 

@@ -230,10 +230,10 @@ def test_engine_with_padded_steps_serves_like_eager(tmp_path, arch):
         for i, p in enumerate(prompts):
             core.add_request(Request(f"r{i}", list(p), params))
             for o in core.step():                            # later arrivals join running ones
-                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+                got.setdefault(o.request_id, []).extend(o.token_ids)
         while core.has_unfinished():
             for o in core.step():
-                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+                got.setdefault(o.request_id, []).extend(o.token_ids)
         outs[padded] = got
         replays[padded] = core.runner.step_graphs.replayed if padded else 0
     assert replays[True] >= 5                                # the padded path did run
@@ -271,10 +271,10 @@ def _greedy(core, prompts, max_tokens=24, tag=""):
         core.add_request(Request(f"{tag}{i}", list(p), params))
         if i == 1:              # later arrivals join a running batch: mixed steps
             for o in core.step():
-                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+                out.setdefault(o.request_id, []).extend(o.token_ids)
     while core.has_unfinished():
         for o in core.step():
-            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            out.setdefault(o.request_id, []).extend(o.token_ids)
     return [out[f"{tag}{i}"] for i in range(len(prompts))]
 
 

@@ -464,7 +464,7 @@ def run(core: EngineCore, waves, max_tokens=8) -> dict[str, list[int]]:
             tokens[rid] = []
         while core.has_unfinished():
             for o in core.step():
-                tokens[o.request_id] += o.new_token_ids
+                tokens[o.request_id] += o.token_ids
             core.scheduler.check_integrity()
     return tokens
 

@@ -36,7 +36,7 @@ def _generate(core: EngineCore, params: SamplingParams, rid: str = "r") -> list[
     while core.has_unfinished():
         for out in core.step():
             if out.request_id == rid:
-                tokens += out.new_token_ids
+                tokens += out.token_ids
     return tokens
 
 

@@ -86,7 +86,7 @@ def run(core: EngineCore, prompts, params, waves=1) -> dict[str, list[int]]:
 
 def _step(core, tokens):
     for o in core.step():
-        tokens[o.request_id] += o.new_token_ids
+        tokens[o.request_id] += o.token_ids
     core.scheduler.check_integrity()
 
 

@@ -76,7 +76,7 @@ def run(core: EngineCore, prompts, params, waves=1) -> dict[str, list[int]]:
 
 def _step(core, tokens):
     for o in core.step():
-        tokens[o.request_id] += o.new_token_ids
+        tokens[o.request_id] += o.token_ids
         assert o.num_output_tokens == len(tokens[o.request_id])
     core.scheduler.check_integrity()
 
@@ -193,7 +193,7 @@ def test_a_stop_token_inside_the_accepted_drafts_ends_the_request_there(checkpoi
         out, reason = [], None
         while core.has_unfinished():
             for o in core.step():
-                out += o.new_token_ids
+                out += o.token_ids
                 reason = o.finish_reason or reason
         assert out == cut and reason == "stop"
 
@@ -342,7 +342,7 @@ def test_sampled_tokens_keep_the_target_distribution(checkpoints):
         outs = {}
         while core.has_unfinished():
             for o in core.step():
-                outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+                outs.setdefault(o.request_id, []).extend(o.token_ids)
         for toks in outs.values():
             if toks[0] == first:
                 counts[toks[1]] += 1
@@ -564,8 +564,8 @@ def test_device_sampler_paths_of_decode_and_verify_steps(checkpoints, plain):
         core.add_request(R(rid, list(ids), params))
     while core.has_unfinished():
         for o in core.step():
-            outs[o.request_id] += o.new_token_ids
-            lps[o.request_id] += [lp.logprob for lp in o.new_logprobs]
+            outs[o.request_id] += o.token_ids
+            lps[o.request_id] += [lp.logprob for lp in o.logprobs]
     assert outs == expected
     assert all(len(lps[r]) == len(outs[r]) and all(v <= 0 for v in lps[r]) for r in prompts)
     assert len(fake.begun) == len(prompts)      # each request began in its slot once
@@ -592,8 +592,8 @@ def test_logprobs_of_verified_tokens_are_the_targets(checkpoints):
             core.add_request(R(rid, list(ids), params))
         while core.has_unfinished():
             for o in core.step():
-                toks[o.request_id] += o.new_token_ids
-                lps[o.request_id] += [(lp.logprob, lp.top_logprobs) for lp in o.new_logprobs]
+                toks[o.request_id] += o.token_ids
+                lps[o.request_id] += [(lp.logprob, lp.top_logprobs) for lp in o.logprobs]
         return toks, lps
 
     ref_toks, ref_lps = collect(engine(checkpoints["qwen3_5"]))

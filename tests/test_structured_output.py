@@ -406,7 +406,7 @@ def test_constrained_requests_take_no_drafts(tmp_path):
     out, last = {}, {}
     while core.has_unfinished():
         for o in core.step():
-            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            out.setdefault(o.request_id, []).extend(o.token_ids)
             last[o.request_id] = o
     for i in range(4):
         assert last[f"g{i}"].num_draft_tokens == 0 and last[f"g{i}"].finish_reason == "stop"
@@ -529,7 +529,7 @@ def test_a_tokenizer_the_grammar_library_cannot_read_serves_all_but_structured_o
                                                                ignore_eos=True)))
     out = []
     while core.has_unfinished():
-        out += [t for o in core.step() for t in o.new_token_ids]
+        out += [t for o in core.step() for t in o.token_ids]
     assert len(out) == 3
     grammar = grammar_for_response_format({"type": "json_object"})
     with pytest.raises(ValueError, match="structured output is not available for this model"):

@@ -64,8 +64,8 @@ def run(core: EngineCore) -> dict:
         while core.has_unfinished():
             for o in core.step():
                 rec = out.setdefault(o.request_id, dict(tokens=[], cached=0, logprobs=[]))
-                rec["tokens"] += o.new_token_ids
-                rec["logprobs"] += [round(t.logprob, 4) for t in o.new_logprobs]
+                rec["tokens"] += o.token_ids
+                rec["logprobs"] += [round(t.logprob, 4) for t in o.logprobs]
                 rec["cached"] = o.num_cached_tokens
     return out
 

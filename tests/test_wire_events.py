@@ -102,3 +102,29 @@ def test_model_info_refuses_fields_of_the_wrong_shape():
                 {"rate_limit_enabled": 1}, {"frontend": {"x": object()}}):
         with pytest.raises(ValueError):
             wire.ModelInfo.from_dict({**good, **bad})
+
+
+def test_submit_prompt_is_one_int32_array_from_frontend_to_request():
+    import numpy as np
+
+    from metrale.request import Request
+
+    msg = wire.Submit("r", "fe", [1, 2, 3], SamplingParams())
+    assert msg.prompt_token_ids.dtype == np.int32
+    got = wire.decode(wire.encode(msg))
+    assert got.prompt_token_ids.dtype == np.int32 and not got.prompt_token_ids.flags.writeable
+    req = Request("r", got.prompt_token_ids, got.sampling_params)
+    assert req.prompt_token_ids is got.prompt_token_ids and req.all_token_ids == [1, 2, 3]
+    with pytest.raises(ValueError):
+        wire.Submit("r", "fe", [2**40], SamplingParams())
+
+
+def test_speculative_counts_travel_on_a_requests_last_delta_only():
+    live = wire.TokenDelta("a", (5, 6), None, 3, 2, 0, num_verifies=1, num_draft_tokens=2,
+                           num_accepted_tokens=1)
+    last = live._replace(token_ids=(7,), finish_reason="stop", num_output_tokens=3)
+    got = wire.decode(wire.encode(wire.StepOutput("fe", (live, last)))).deltas
+    assert got[0] == live._replace(num_verifies=0, num_draft_tokens=0, num_accepted_tokens=0)
+    assert got[1] == last and got[1].finished
+    with pytest.raises(ValueError):      # neither 9 nor 12 fields
+        wire.decode([b"step", b'{"frontend_id": "fe", "deltas": [["a", [1], null, 0, 0, 0, [], null, 0, 1]]}'])

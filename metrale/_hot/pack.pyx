@@ -12,8 +12,8 @@ ForwardBatch (positions, slot mapping, cu_seqlens, token ids) without per-token 
     gather_param_rows(params, slots, steps, owners, rows, out, start)
                                                        cached sampler parameter rows -> out
 
-Token ids are read straight from a request's prompt/output lists: position p of the model's
-context (`Request.all_token_ids[p]`) without building that list.
+Token ids are read straight from a request's prompt (an int32 array) and output list: position p
+of the model's context (`Request.all_token_ids[p]`) without building that list.
 """
 import numpy as np
 cimport numpy as cnp
@@ -67,10 +67,13 @@ cdef Py_ssize_t _fill_tokens(object s, int ctx, int q, int[:] ids, int[:] pos, i
                              int[:] li, Py_ssize_t k, bint every_row):
     """Sequence i's rows from token t: ids (its context's tokens, then its drafts), positions,
     KV slots; each row's index into li from k when `every_row` (a verify). Returns the new k."""
-    cdef Py_ssize_t j, num_prompt, sink, dropped, ntok
+    cdef Py_ssize_t j, num_prompt, sink, dropped, ntok, pp
     cdef int p
+    cdef const int[:] pv = None
     req = s.request
     prompt = req.prompt_token_ids
+    if isinstance(prompt, np.ndarray):     # Request's int32 prompt: read without boxing
+        pv = prompt
     output = req.output_token_ids
     num_prompt = len(prompt)
     dropped = req.num_dropped_tokens
@@ -80,7 +83,11 @@ cdef Py_ssize_t _fill_tokens(object s, int ctx, int q, int[:] ids, int[:] pos, i
     for j in range(q):
         p = ctx + <int>j
         if p < ntok:
-            ids[t + j] = _token_at(prompt, output, num_prompt, sink, dropped, p)
+            pp = p + dropped if dropped and p >= sink else p
+            if pv is not None and pp < num_prompt:
+                ids[t + j] = pv[pp]
+            else:
+                ids[t + j] = _token_at(prompt, output, num_prompt, sink, dropped, p)
         else:
             ids[t + j] = drafts[p - ntok]
         pos[t + j] = p

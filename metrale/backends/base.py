@@ -8,19 +8,108 @@ kernel needs contiguous rows makes them contiguous itself.
 All reductions (norms, softmax, attention, GDN state) accumulate in fp32 whatever the storage
 dtype. The CPU backend (metrale.backends.cpu) is the executable spec; the CUDA backend is tested
 op by op against it.
+
+`Ops` is the base class both backends subclass: besides the ops it names the backend's `device`
+(a `Device`: its stream, synchronisation, memory figures and out-of-memory error) and builds what
+only some devices have (a device sampler, captured graphs: `device_sampler`, `capture_graphs`),
+so the engine core drives every backend through the same calls.
 """
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from metrale.forward import ForwardBatch
 
 Array = Any
+log = logging.getLogger("metrale.engine_core")
 
 
-class Ops(Protocol):
-    name: str          # "cpu" | "cuda"
+class HostStream:
+    """The stream of a device without streams: entering it, using it, syncing it do nothing."""
+
+    def use(self) -> "HostStream":
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+    def __enter__(self) -> "HostStream":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
+class Device:
+    """What the engine asks of the device its backend runs on; this base is the host (the CPU
+    backend): no stream of its own, nothing to wait for, no device memory to size against.
+    metrale.backends.cuda.device.CudaDevice is the GPU's."""
+
+    accelerator = False     # a GPU: the engine warms it up by default, sampling runs on it
+    # the error an allocation on the device raises when it is full (caught as a tuple)
+    out_of_memory: tuple[type[BaseException], ...] = ()
+
+    def new_stream(self):
+        """A stream for the engine's work (graphs cannot be captured on a legacy default stream):
+        a context manager with use() and synchronize()."""
+        return HostStream()
+
+    def synchronize(self) -> None:
+        """Wait for everything queued on the device."""
+
+    def memory_info(self) -> tuple[int, int] | None:
+        """(free, total) bytes of device memory; None where there is none to size against."""
+        return None
+
+    def pool_bytes(self) -> int:
+        """Bytes the backend's allocator holds from the device (its activation pool)."""
+        return 0
+
+    def memory_figures(self) -> dict:
+        """What the device holds for this process (/v1/library): empty on the host."""
+        return {}
+
+    def free_cached(self, pools=()) -> None:
+        """Hand cached device blocks back (the allocator's and the given graph pools'), after a
+        model's arrays are collected."""
+
+
+@dataclass
+class EngineGraphs:
+    """Captured forwards the runner replays (metrale.backends.cuda.graphs): decode steps, other
+    steps by token bucket (--prefill-graphs), speculative verify steps; None = run eagerly."""
+    decode: Any = None
+    step: Any = None
+    verify: Any = None
+
+    def pools(self) -> list:
+        """The graphs' private memory pools (handed back when the model is released)."""
+        return [g.pool for g in (self.decode, self.step, self.verify)
+                if g is not None and getattr(g, "pool", None) is not None]
+
+
+class Ops:
+    name: str = ""     # "cpu" | "cuda"
     dtype: Any         # storage / activation dtype (np.float32 on cpu, bfloat16 on cuda)
+    device: Device     # the device the arrays live on
+
+    # -- the device and what only some devices have ------------------------------------------
+    def device_sampler(self, vocab_size: int, max_batch: int, num_slots: int, seed: int):
+        """A sampler that runs on the device (metrale.backends.cuda.sampling.GpuSampler), or
+        None: the runner samples on the host (metrale.sampling.Sampler)."""
+        return None
+
+    def capture_graphs(self, model, caches, config, spare_block: int, spare_slot: int,
+                       speculation=None) -> EngineGraphs:
+        """The forwards this backend replays as captured graphs (logged); none by default."""
+        if config.prefill_graphs == "on":     # the default: not news on the CPU
+            log.debug("--prefill-graphs: CUDA graphs need the CUDA backend; ignored on %s", self.name)
+        return EngineGraphs()
+
+    def close(self) -> None:
+        """Release what the backend holds outside its arrays (library handles)."""
 
     # -- data movement -------------------------------------------------------------------------
     def asarray(self, x, dtype=None) -> Array:

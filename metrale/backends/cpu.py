@@ -21,7 +21,8 @@ import weakref
 import numba
 import numpy as np
 
-from metrale.backends.base import compose_gated_delta_rule_with_gates, compose_qk_norm_rope_write_kv
+from metrale.backends.base import (Device, Ops, compose_gated_delta_rule_with_gates,
+                                   compose_qk_norm_rope_write_kv)
 from metrale.cache.kv_dtypes import is_quantized_kv
 from metrale.forward import ForwardBatch
 from metrale.models.quant import is_quantized
@@ -207,13 +208,14 @@ def _ssd_chunked(x, delta, decay, B, C, state, chunk_size: int):
     return y, state.astype(F32)
 
 
-class CpuOps:
+class CpuOps(Ops):
     """numpy/numba implementation of metrale.backends.base.Ops."""
 
     name = "cpu"
 
     def __init__(self, dtype=np.float32):
         self.dtype = np.dtype(dtype)
+        self.device = Device()      # the host: no stream, no device memory
         self._dequantised = weakref.WeakKeyDictionary()
 
     def _dense(self, w):

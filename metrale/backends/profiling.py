@@ -18,7 +18,9 @@ from metrale.backends.base import Ops
 
 OP_NAMES = tuple(name for name in vars(Ops) if not name.startswith("_")
                  and callable(vars(Ops)[name]) and name not in ("asarray", "to_numpy", "empty",
-                                                                "zeros", "upload_batch"))
+                                                                "zeros", "upload_batch",
+                                                                "device_sampler", "capture_graphs",
+                                                                "close"))
 
 
 class ProfiledOps:

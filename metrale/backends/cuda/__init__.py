@@ -11,6 +11,8 @@
     gemm/           cuBLAS / cuBLASLt bindings and tuner, kernels_cuda/gemv.cu; gemm/quant.py:
                     FP8 / NVFP4 weights, kernels_cuda/gemv_quant.cu
     graphs.py       decode and step CUDA graphs
+    capture.py      the engine's graphs captured at load (CudaOps.capture_graphs)
+    device.py       CudaDevice: the engine's stream, syncs, memory figures, CuPy's OOM error
 
 The package imports without CuPy (the kernel declarations are checked on CPU-only machines);
 CudaOps needs it.

@@ -17,23 +17,29 @@ not pure decode (prefill / mixed): it builds its work list from the host copy of
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from metrale import levers
+from metrale.backends.base import EngineGraphs, Ops
 from metrale.backends.cuda import attention as _attention
 from metrale.backends.cuda import elementwise as _elementwise
 from metrale.backends.cuda import gdn as _gdn
 from metrale.backends.cuda import gemm as _gemm
 from metrale.backends.cuda.gemm import quant as _gemm_quant
 from metrale.backends.cuda import moe as _moe
+from metrale.backends.cuda.device import CudaDevice
 from metrale.backends.cuda.kernels import KernelCache, LaunchContext
 from metrale.backends.cuda.layout import BF16, F32, SUFFIX
 from metrale.backends.cuda.layout import estride as _estride
 from metrale.forward import ForwardBatch
 from metrale.models.quant import is_quantized
 
+log = logging.getLogger("metrale.engine_core")
 
-class CudaOps:
+
+class CudaOps(Ops):
     """cupy + kernels_cuda implementation of metrale.backends.base.Ops."""
 
     name = "cuda"
@@ -42,8 +48,7 @@ class CudaOps:
         import cupy
 
         self.cp = cupy
-        self.device = cupy.cuda.Device(device) if device is not None else cupy.cuda.Device()
-        self.device.use()
+        self.device = CudaDevice(cupy, device)     # made current
         self.dtype = np.dtype(dtype)
         self.arch = str(self.device.compute_capability)
         self.launch = LaunchContext()       # PDL state of this device's launches (kernels.py)
@@ -55,6 +60,31 @@ class CudaOps:
         self._smem_set: set = set()
         self._staging: list = []            # pinned upload buffers, with their copy-done events
         self._staging_next = 0
+
+    # -- what the engine builds on this device (base.Ops) -------------------------------------
+    def device_sampler(self, vocab_size: int, max_batch: int, num_slots: int, seed: int):
+        from metrale.backends.cuda.sampling import GpuSampler
+
+        return GpuSampler(self, vocab_size, max_batch=max_batch, num_slots=num_slots, seed=seed)
+
+    def capture_graphs(self, model, caches, config, spare_block: int, spare_slot: int,
+                       speculation=None) -> EngineGraphs:
+        from metrale.backends.cuda.capture import capture_engine_graphs
+
+        return capture_engine_graphs(self, model, caches, config, spare_block, spare_slot,
+                                     speculation)
+
+    def close(self) -> None:
+        """The cuBLAS / cuBLASLt handles destroyed (a hot swap builds new ops; the old handles
+        would leak)."""
+        handle, self._cublas = self._cublas, None
+        if handle is None:
+            return
+        try:
+            self.device.synchronize()
+            handle.close()
+        except Exception as e:  # noqa: BLE001 - a broken context: nothing left to give back
+            log.warning("closing the cuBLAS handles: %s", e)
 
     # -- kernel access (the op-family modules launch through it) ------------------------------
     def module(self, name: str):
