@@ -55,10 +55,12 @@ LEVERS: dict[str, Lever] = {lv.name: lv for lv in (
           "1: block-FP8 weights (128 x 128 scales) multiply prefill rows (> 64) as W8A8 on FP8 "
           "tensor cores, activations quantized per row and 128 columns; 0: they dequantise into "
           "bf16 for those rows (weight-only, the CPU backend's numerics)"),
-    Lever("METRALE_QUANT_GEMV", str, "v2", "metrale/backends/cuda/gemm/quant.py",
-          "decode kernels for 1-8 rows of FP8 / NVFP4 weights: v2 = the autotuner also times the "
-          "tensor-core GEMVs with the weights as the mma's A operand (gemvq_*_t8_w*); v1 = only "
-          "the CUDA-core GEMVs and the x-as-A tensor-core GEMMs (the kernels before v2, for A/B)"),
+    Lever("METRALE_QUANT_GEMV", str, "v1", "metrale/backends/cuda/gemm/quant.py",
+          "decode kernels for 1-8 rows of FP8 / NVFP4 weights: v1 = the CUDA-core GEMVs and the "
+          "x-as-A tensor-core GEMMs; v2 = the autotuner also times the tensor-core GEMVs with the "
+          "weights as the mma's A operand (gemvq_*_t8_w*). H200 bcb35a5: v2 passes every GPU test "
+          "and lifts NVFP4 M=1 on the wide shapes (0.41 -> 0.58 of copy bandwidth) but loses on "
+          "4096 x 4096 (0.47 -> 0.33 FP8): v1 stays the default until the tuner picks right"),
     Lever("METRALE_GEMM_TUNE", str, "1", "metrale/backends/cuda/gemm/__init__.py",
           "1 = linear GEMMs through cuBLASLt, each decode-sized shape autotuned once (outside "
           "graph capture) over the heuristic's algorithms and cublasGemmEx; 0 = plain "

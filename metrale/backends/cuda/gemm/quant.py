@@ -6,7 +6,7 @@ dequantised. `linear` runs y = x @ dequant(w)^T:
 
   * steps of at most QUANT_GEMV_MAX_ROWS rows (decode): the weight-only GEMVs of gemv_quant.cu,
     in chunks of 8 rows, streaming the packed bytes: the CUDA-core gemvq_<fp8|nvfp4>_t<T>_r<R>
-    (v1) and, with METRALE_QUANT_GEMV=v2 (the default), also the tensor-core
+    (v1, the default) and, with METRALE_QUANT_GEMV=v2, also the tensor-core
     gemvq_<fp8|nvfp4>_t8_w<NW> (weights as the mma's A operand) where they apply; up to
     QUANT_MMA_MAX_ROWS the tensor-core GEMMs gemmq_*. Each config (kernel, tile, k split) is
     timed once per shape on its first eager call (_plan) and the fastest kept;
