@@ -19,23 +19,9 @@ import pytest
 
 from metrale.backends.cpu import CpuOps
 from metrale.cache.kv_dtypes import block_layout, dequantize, make_kv_side, quantize
-from tests.test_cuda_ops import BF16, check, f32, paged_batch, rnd, seq_slots
+from tests.test_cuda_ops import BF16, check, cpu, f32, ops, paged_batch, rnd, seq_slots  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def ops():
-    from metrale.backends.cuda import CudaOps
-
-    o = CudaOps()
-    o.poison = True
-    return o
-
-
-@pytest.fixture(scope="module")
-def cpu():
-    return CpuOps(np.float32)
 
 
 def _side(ops, nb, bs, hk, d, fill=0xFF):
