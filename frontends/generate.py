@@ -51,6 +51,8 @@ TOOL_PREFILLS = {
     "minimax_xml": ("<minimax:tool_call>\n", '<minimax:tool_call>\n<invoke name="{name}">\n'),
     "bare_json": ('{"name": "', '{{"name": "{name}", "arguments": '),
     "gemma4": ("<|tool_call>call:", "<|tool_call>call:{name}{{"),
+    "deepseek_v3": ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>",
+                    "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n"),
 }
 
 

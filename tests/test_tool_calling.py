@@ -259,6 +259,9 @@ _CONTINUATIONS = {
     "bare_json": ('get_time", "arguments": {"zone": "UTC"}}', '{"zone": "UTC"}}'),
     "gemma4": ('get_time{zone:<|"|>UTC<|"|>}<tool_call|>', 'zone:<|"|>UTC<|"|>}<tool_call|>'),
 }
+_CONTINUATIONS["deepseek_v3"] = (
+    'get_time\n```json\n{"zone": "UTC"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+    '{"zone": "UTC"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
 _CONTINUATIONS["poolside_v1"] = _CONTINUATIONS["hermes"]
 _CONTINUATIONS["qwen3_xml"] = _CONTINUATIONS["qwen3_coder"]
 
