@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from metrale.backends.cpu import CpuOps
 from metrale.llm import LLM
 from metrale.sampling import SamplingParams
 from test_models import Harness, rel_err
@@ -75,3 +76,17 @@ def check_engine_greedy(path, prompt, min_cached: int = 32) -> None:
     assert [first.token_ids] + [r.token_ids for r in rest] == alone
     assert all(r.num_cached_tokens >= min_cached for r in rest)
     assert int(np.argmax(reference(path, prompts[0])[-1])) == alone[0][0]
+
+
+def ops_without(*missing: str):
+    """A stand-in backend named "cuda" with every CpuOps op but `missing` (the ops the CUDA
+    backend lacks today): a family needing one of them must refuse to load on it."""
+    class _Ops:
+        name = "cuda"
+
+        def __getattr__(self, attr):
+            if attr in missing:
+                raise AttributeError(attr)
+            return getattr(CpuOps(), attr)
+
+    return _Ops()

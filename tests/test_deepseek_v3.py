@@ -16,6 +16,7 @@ import openai
 import pytest
 
 import family_checks as fc
+from family_checks import ops_without
 from metrale.api.tool_parsers import default_tool_parser
 from metrale.backends.cpu import CpuOps
 from metrale.cache.kv import MlaSpec, ModelCaches
@@ -146,14 +147,9 @@ def test_a_quantized_kv_cache_is_refused_clearly(ckpt):
         LLM(ckpt, max_seq_len=128, kv_cache_dtype="fp8")
 
 
-class _NoMlaOps:
+def _NoMlaOps():
     """A backend with the common ops only (as the CUDA backend is today)."""
-    name = "cuda"
-
-    def __getattr__(self, name):
-        if name in MLA_OPS + ("route_topk", "moe_topk"):
-            raise AttributeError(name)
-        return getattr(CpuOps(), name)
+    return ops_without(*MLA_OPS, "route_topk", "moe_topk")
 
 
 def test_backend_without_the_ops_refuses_at_load(ckpt):

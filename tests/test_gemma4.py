@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import family_checks as fc
+from family_checks import ops_without
 from metrale.api.tool_parsers import default_tool_parser
 from metrale.backends.cpu import CpuOps
 from metrale.models.checkpoint import CheckpointError
@@ -80,14 +81,9 @@ def test_unsupported_settings_are_refused_naming_the_field(tmp_path, field, valu
         build_model(load_tiny(path), CpuOps())
 
 
-class _NoFamilyOps:
+def _NoFamilyOps():
     """A backend with the common ops only (as the CUDA backend is today)."""
-    name = "cuda"
-
-    def __getattr__(self, name):
-        if name in ("sliding_attention", "softcap", "gelu_tanh_mul", "route_topk", "moe_topk"):
-            raise AttributeError(name)
-        return getattr(CpuOps(), name)
+    return ops_without("sliding_attention", "softcap", "gelu_tanh_mul", "route_topk", "moe_topk")
 
 
 def test_backend_without_the_ops_refuses_at_load(tmp_path):

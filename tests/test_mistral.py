@@ -15,6 +15,7 @@ import pytest
 import requests
 
 import family_checks as fc
+from family_checks import ops_without
 from metrale.api.tool_parsers import default_tool_parser
 from metrale.backends.cpu import CpuOps
 from metrale.models.checkpoint import CheckpointError
@@ -106,14 +107,9 @@ def test_unsupported_settings_are_refused_naming_the_field(tmp_path, arch, field
         build_model(load_tiny(path), CpuOps())
 
 
-class _NoFamilyOps:
+def _NoFamilyOps():
     """A backend with the common ops only (as the CUDA backend is today)."""
-    name = "cuda"
-
-    def __getattr__(self, name):
-        if name in ("sliding_attention", "attn_temperature", "softcap", "gelu_tanh_mul", "route_topk", "moe_topk"):
-            raise AttributeError(name)
-        return getattr(CpuOps(), name)
+    return ops_without("sliding_attention", "attn_temperature", "softcap", "gelu_tanh_mul", "route_topk", "moe_topk")
 
 
 @pytest.mark.parametrize("arch, model_type, feature", [

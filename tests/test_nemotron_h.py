@@ -19,6 +19,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import family_checks as fc
+from family_checks import ops_without
 from metrale.backends.cpu import CpuOps
 from metrale.forward import contiguous_batch
 from metrale.models.checkpoint import CheckpointError
@@ -225,14 +226,9 @@ def test_tool_parser_default():
 MAMBA_OPS = ("causal_conv1d_bias", "ssd_scan", "group_rms_norm_gated", "relu2", "moe_topk_relu2")
 
 
-class _CommonOpsOnly:
+def _CommonOpsOnly():
     """A backend with the common ops only (as the CUDA backend is today)."""
-    name = "cuda"
-
-    def __getattr__(self, name):
-        if name in MAMBA_OPS + ("route_topk", "moe_topk"):
-            raise AttributeError(name)
-        return getattr(CpuOps(), name)
+    return ops_without(*MAMBA_OPS, "route_topk", "moe_topk")
 
 
 def test_backend_without_the_ops_refuses_at_load(moe_ckpt):

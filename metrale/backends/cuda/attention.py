@@ -109,7 +109,7 @@ def attention(ops, q, k_cache, v_cache, batch, scale):
                 part_o=part_o, part_m=part_m, part_l=part_l, seq_lens=batch.seq_lens,
                 qsl=batch.query_start_loc, out=out, Hq=hq, D=d, part_tokens=part, nparts=nparts)
         return out
-    rows, threads, bn = ATTN_MMA_ROWS, ATTN_MMA_THREADS, ATTN_MMA_BN[d]
+    threads = ATTN_MMA_THREADS
     smem = prefill_smem(d, fp8=bool(kv))
     fn = f"prefill_mma_{kv}d{d}"
     bq = prefill_tile_tokens(ops, hq, hk, d)
