@@ -275,9 +275,12 @@ class EngineCore:
         except (ValueError, ImportError) as e:
             # a tokenizer the grammar library cannot read (WordPiece, ...) serves everything
             # but structured output, which such requests are then refused with this reason
+            # the record gets the reason's text, never `e`: a handler that keeps records
+            # (pytest's log capture, a memory handler) would keep e's traceback, whose frames
+            # hold this engine, so a released model's GPU memory stayed in use
             self.grammars, self._grammar_problem = None, str(e)
             log.warning("structured output is off for this model: the grammar library cannot "
-                        "use its tokenizer (%s)", e)
+                        "use its tokenizer (%s)", self._grammar_problem)
 
     # -- requests ---------------------------------------------------------------------------
     def can_admit(self) -> bool:

@@ -124,7 +124,7 @@ def open_checkpoint(spec: EngineSpec):
     except ChatTemplateError as e:
         if spec.chat_template is not None:
             raise                  # the operator's --chat-template must work, or nothing starts
-        log.warning("no chat template (%s): /v1/chat/completions will refuse requests", e)
+        log.warning("no chat template (%s): /v1/chat/completions will refuse requests", str(e))
         chat_template = None
     return ckpt, tokenizer, chat_template
 

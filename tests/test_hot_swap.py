@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import os
 import shutil
 import signal
@@ -464,6 +465,31 @@ def test_release_frees_every_object_of_the_model(models):
         assert all(r() is None for r in refs) and pool() is None
     finally:
         gc.enable()
+
+
+def test_a_handler_that_keeps_log_records_does_not_keep_a_released_engine(tmp_path):
+    """The engine's load-time warnings (here: a WordPiece tokenizer the grammar library cannot
+    read) must not pin it: a record holding an exception holds its traceback's frames, and those
+    the engine (on the H200 every swap kept the old model's memory under pytest's log capture)."""
+    from metrale.engine_process import load_engine
+    from metrale.swap import release
+    from perf.ladder import write_model_folder
+
+    folder = write_model_folder("smollm2_135m", tmp_path / "s")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("metrale").addHandler(handler)
+    try:
+        core, _ = load_engine(_spec(folder, "cpu", "dummy", warmup="off", num_kv_blocks=64))
+        assert any("structured output is off" in r.getMessage() for r in records)
+        engine = weakref.ref(core)
+        reclaim = release(core)
+        del core
+        reclaim()
+        assert engine() is None
+    finally:
+        logging.getLogger("metrale").removeHandler(handler)
 
 
 @pytest.mark.gpu
